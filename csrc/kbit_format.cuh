@@ -1,0 +1,89 @@
+// SPDX-License-Identifier: Apache-2.0
+// Device twin of vllm_kbit/format.py + reference.py: E4M4 decode, layout constants and
+// host-side argument checks shared by every kbit kernel. Spec: docs/format.md.
+#pragma once
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <torch/all.h>
+
+#include <cstdint>
+
+namespace kbit {
+
+constexpr int kBlock = 32;                          // weights per quantization block (one warp)
+constexpr int kTileN = 16;                          // rows per tile: M of an m16n8k16 A fragment
+constexpr int kTileK = 128;                         // columns per tile
+constexpr int kBlocksPerTile = kTileK / kBlock;     // 4
+constexpr int kE4M4Bias = 11;
+
+__host__ __device__ constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// E4M4 (no sign, bias 11, IEEE-style subnormals) -> float, built directly from bits:
+// normal e>0: 2^(e-11) * (1 + m/16); subnormal e=0: m * 2^-14. Exact, 5 integer ops.
+__device__ __forceinline__ float e4m4_to_float(uint32_t code) {
+    const uint32_t e = code >> 4, m = code & 15u;
+    if (e == 0) return static_cast<float>(m) * 6.103515625e-05f;  // 2^-14
+    return __uint_as_float(((e - kE4M4Bias + 127u) << 23) | (m << 19));
+}
+
+// Column within a 32-block of bit `e` (0..7) of a tile byte owned by lane l (t = l % 4):
+// {2t, 2t+1, 2t+8, 2t+9, 2t+16, 2t+17, 2t+24, 2t+25} -- the m16n8k16 A-fragment columns of
+// two consecutive k16 steps. Bits (2i, 2i+1) are adjacent columns, i.e. one half2.
+__host__ __device__ constexpr int tile_col(int t, int e) {
+    return 2 * t + (e & 1) + 8 * (e >> 1);
+}
+
+// Sizes of the runtime layout of W[n, k].
+struct TiledShape {
+    int64_t n, k, np, kp, n_tiles, k_tiles, words, absmax_bytes;
+    TiledShape(int64_t n_, int64_t k_, int64_t bits)
+        : n(n_), k(k_), np(ceil_div(n_, kTileN) * kTileN), kp(ceil_div(k_, kTileK) * kTileK),
+          n_tiles(np / kTileN), k_tiles(kp / kTileK), words(np * kp * bits / 32),
+          absmax_bytes(np * kp / 32) {}
+};
+
+inline void check_bits(int64_t bits, const char* op) {
+    TORCH_CHECK(bits >= 2 && bits <= 5, "kbit::", op, ": bits must be 2, 3, 4 or 5, got ", bits);
+}
+
+inline void check_codebook(const at::Tensor& codebook, int64_t bits, const char* op) {
+    TORCH_CHECK(codebook.is_cuda(), "kbit::", op, ": codebook must be a CUDA tensor");
+    TORCH_CHECK(codebook.scalar_type() == at::kFloat && codebook.dim() == 1 &&
+                    codebook.numel() == (int64_t{1} << bits) && codebook.is_contiguous(),
+                "kbit::", op, ": codebook must be contiguous float32 [", int64_t{1} << bits,
+                "] for bits=", bits, ", got ", codebook.scalar_type(), " ", codebook.sizes());
+}
+
+// Checks the runtime-layout tensors of W[n, k] (k taken from x) and returns their sizes.
+inline TiledShape check_tiled(const at::Tensor& qweight, const at::Tensor& absmax, int64_t bits,
+                              int64_t n, int64_t k, const char* op) {
+    check_bits(bits, op);
+    TORCH_CHECK(n > 0 && k > 0 && k % kBlock == 0, "kbit::", op, ": bad weight size n=", n,
+                ", k=", k, " (k must be a positive multiple of 32)");
+    TiledShape s(n, k, bits);
+    TORCH_CHECK(qweight.is_cuda() && qweight.scalar_type() == at::kInt && qweight.is_contiguous() &&
+                    qweight.numel() == s.words,
+                "kbit::", op, ": qweight must be contiguous CUDA int32 with ", s.words,
+                " elements (tiled layout, n=", n, ", k=", k, ", bits=", bits, "), got ",
+                qweight.scalar_type(), " with ", qweight.numel());
+    TORCH_CHECK(absmax.is_cuda() && absmax.scalar_type() == at::kByte && absmax.is_contiguous() &&
+                    absmax.numel() == s.absmax_bytes,
+                "kbit::", op, ": weight_absmax must be contiguous CUDA uint8 with ", s.absmax_bytes,
+                " elements (tiled layout, n=", n, ", k=", k, "), got ", absmax.scalar_type(),
+                " with ", absmax.numel());
+    return s;
+}
+
+// x must be a 2-D fp16/bf16 CUDA tensor with unit stride along K (row stride may be larger).
+inline void check_activation(const at::Tensor& x, const at::Tensor& qweight, const char* op) {
+    TORCH_CHECK(x.is_cuda() && x.dim() == 2, "kbit::", op, ": x must be a 2-D CUDA tensor, got ",
+                x.sizes());
+    TORCH_CHECK(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16, "kbit::", op,
+                ": x must be float16 or bfloat16, got ", x.scalar_type());
+    TORCH_CHECK(x.stride(1) == 1, "kbit::", op, ": x must have unit stride along K");
+    TORCH_CHECK(x.get_device() == qweight.get_device(), "kbit::", op,
+                ": x and qweight are on different devices");
+}
+
+}  // namespace kbit

@@ -1,0 +1,34 @@
+// SPDX-License-Identifier: Apache-2.0
+// Host entry points of every kbit CUDA op. Schemas live in vllm_kbit/_ops.py; layouts in
+// docs/format.md. Each function is implemented in the .cu file named in its comment.
+#pragma once
+#include <torch/all.h>
+
+#include <tuple>
+
+namespace kbit {
+
+// quantize.cu: W[N, K] fp16/bf16/fp32 -> (qweight int32 [N, K/32*bits], absmax uint8 [N, K/32]).
+std::tuple<at::Tensor, at::Tensor> quantize(const at::Tensor& weight, const at::Tensor& codebook,
+                                            int64_t bits);
+// quantize.cu: checkpoint layout -> W[N, K] in dtype (fp16/bf16/fp32).
+at::Tensor dequantize(const at::Tensor& qweight, const at::Tensor& absmax,
+                      const at::Tensor& codebook, int64_t bits, at::ScalarType dtype);
+// repack.cu: checkpoint layout -> runtime tiled layout (1-D int32, 1-D uint8).
+std::tuple<at::Tensor, at::Tensor> repack(const at::Tensor& qweight, const at::Tensor& absmax,
+                                          int64_t bits);
+// dequant_tiled.cu: tiled layout -> W[n, k] in dtype; near memory bandwidth (large-M path).
+at::Tensor dequantize_tiled(const at::Tensor& qweight, const at::Tensor& absmax,
+                            const at::Tensor& codebook, int64_t bits, int64_t n, int64_t k,
+                            at::ScalarType dtype);
+// gemv.cu: y[M, n] = x[M, K] @ W^T for small M (CUDA cores).
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& absmax,
+                const at::Tensor& codebook, int64_t bits, int64_t n);
+// mma.cu: y[M, n] = x[M, K] @ W^T with tensor cores, dequantization fused (mid M).
+at::Tensor mma(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& absmax,
+               const at::Tensor& codebook, int64_t bits, int64_t n);
+// linear.cpp: picks gemv / mma / dequantize_tiled + cuBLAS from M (KBIT_FORCE_KERNEL overrides).
+at::Tensor linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& absmax,
+                  const at::Tensor& codebook, int64_t bits, int64_t n);
+
+}  // namespace kbit

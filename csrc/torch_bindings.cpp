@@ -1,0 +1,20 @@
+// SPDX-License-Identifier: Apache-2.0
+// Registers the CUDA implementations of the kbit ops. The schemas (and the CPU reference
+// implementations and fakes) are defined in vllm_kbit/_ops.py, which imports this module.
+#include <Python.h>
+
+#include "ops.h"
+
+TORCH_LIBRARY_IMPL(kbit, CUDA, m) {
+    m.impl("quantize", &kbit::quantize);
+    m.impl("dequantize", &kbit::dequantize);
+    m.impl("repack", &kbit::repack);
+    m.impl("dequantize_tiled", &kbit::dequantize_tiled);
+    m.impl("gemv", &kbit::gemv);
+    m.impl("mma", &kbit::mma);
+    m.impl("linear", &kbit::linear);
+}
+
+// An empty Python module: importing vllm_kbit._C only loads the library above.
+static struct PyModuleDef kbit_module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&kbit_module); }

@@ -1,0 +1,51 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Builds the CUDA extension ``vllm_kbit._C`` when nvcc is available.
+
+Knobs: KBIT_SKIP_CUDA_BUILD=1 (pure-Python install), TORCH_CUDA_ARCH_LIST (default
+"8.0;8.9;9.0"), MAX_JOBS (parallel nvcc jobs), NVCC_THREADS, KBIT_DEBUG=1 (-O0 -g -lineinfo).
+"""
+
+import glob
+import os
+import shutil
+
+from setuptools import setup
+
+
+def cuda_extensions():
+    if os.environ.get("KBIT_SKIP_CUDA_BUILD", "0") == "1":
+        print("vllm-kbit: KBIT_SKIP_CUDA_BUILD=1, installing the pure-Python package")
+        return [], {}
+    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if not cuda_home and shutil.which("nvcc"):
+        cuda_home = os.path.dirname(os.path.dirname(os.path.realpath(shutil.which("nvcc"))))
+    if not cuda_home and os.path.exists("/usr/local/cuda/bin/nvcc"):
+        cuda_home = "/usr/local/cuda"
+    if not cuda_home:
+        print("vllm-kbit: no nvcc found, installing the pure-Python package (CPU reference ops)")
+        return [], {}
+    os.environ.setdefault("CUDA_HOME", cuda_home)
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;8.9;9.0")
+    from torch.utils.cpp_extension import BuildExtension, CUDAExtension
+
+    debug = os.environ.get("KBIT_DEBUG", "0") == "1"
+    opt = ["-O0", "-g", "-lineinfo"] if debug else ["-O3", "-lineinfo"]
+    nvcc = opt + [
+        "-std=c++17",
+        "--expt-relaxed-constexpr",
+        "-Xptxas=--warn-on-spills",
+        f"--threads={os.environ.get('NVCC_THREADS', '2')}",
+        "-DNDEBUG" if not debug else "-DKBIT_DEBUG",
+    ]
+    ext = CUDAExtension(
+        name="vllm_kbit._C",
+        sources=sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/*.cu")),
+        include_dirs=[os.path.abspath("csrc")],
+        extra_compile_args={"cxx": opt + ["-std=c++17"], "nvcc": nvcc},
+        py_limited_api=False,
+    )
+    return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}
+
+
+ext_modules, cmdclass = cuda_extensions()
+setup(ext_modules=ext_modules, cmdclass=cmdclass)

@@ -1,0 +1,19 @@
+# SPDX-License-Identifier: Apache-2.0
+"""vllm-kbit: k-bit (2-5) blockwise codebook weight quantization for vLLM.
+
+``register()`` is the ``vllm.general_plugins`` entry point. Importing this package and
+calling ``register()`` never initialises CUDA.
+"""
+
+__version__ = "0.1.0"
+
+
+def register() -> None:
+    """vLLM plugin entry point: define the ``torch.ops.kbit`` ops (idempotent)."""
+    from . import _ops
+
+    _ops.load()
+    try:  # the vLLM QuantizationConfig arrives with the integration module
+        from . import config  # noqa: F401
+    except ImportError:
+        pass

@@ -1,0 +1,151 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``torch.ops.kbit.*``: schemas, fake (meta) implementations, CPU implementations
+(the pure-PyTorch reference) and the compiled CUDA kernels from ``vllm_kbit._C``.
+
+Schemas are defined here, in Python, so that a CPU-only install (no ``_C``) still has
+every op; ``_C`` only adds CUDA implementations (``TORCH_LIBRARY_IMPL(kbit, CUDA, m)``).
+Importing this module never initialises CUDA.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from . import reference as ref
+from .format import BLOCKSIZE, check_bits
+
+logger = logging.getLogger(__name__)
+
+_SCHEMAS = {
+    "quantize": "quantize(Tensor weight, Tensor codebook, int bits) -> (Tensor, Tensor)",
+    "dequantize": "dequantize(Tensor qweight, Tensor absmax, Tensor codebook, int bits, "
+    "ScalarType dtype) -> Tensor",
+    "repack": "repack(Tensor qweight, Tensor absmax, int bits) -> (Tensor, Tensor)",
+    "dequantize_tiled": "dequantize_tiled(Tensor qweight, Tensor absmax, Tensor codebook, int bits, "
+    "int n, int k, ScalarType dtype) -> Tensor",
+    # x[M, K] @ W^T -> [M, n] from the tiled layout; gemv and mma are the individual kernels,
+    # linear picks one of gemv / mma / dequantize+cuBLAS from M on the device side of the call.
+    "gemv": "gemv(Tensor x, Tensor qweight, Tensor absmax, Tensor codebook, int bits, int n) -> Tensor",
+    "mma": "mma(Tensor x, Tensor qweight, Tensor absmax, Tensor codebook, int bits, int n) -> Tensor",
+    "linear": "linear(Tensor x, Tensor qweight, Tensor absmax, Tensor codebook, int bits, int n) "
+    "-> Tensor",
+}
+_MATMUL_OPS = ("gemv", "mma", "linear")
+
+_lib: torch.library.Library | None = None
+_cuda_backend = "none"  # "compiled", "reference" (no _C: reference ops on the GPU) or "none"
+
+
+def _define() -> None:
+    global _lib
+    if _lib is not None or hasattr(torch.ops.kbit, "linear"):
+        return
+    _lib = torch.library.Library("kbit", "DEF")
+    for schema in _SCHEMAS.values():
+        _lib.define(schema)
+
+    # ---- CPU: the reference implementation
+    _lib.impl("quantize", _quantize_ref, "CPU")
+    _lib.impl("dequantize", ref.dequantize, "CPU")
+    _lib.impl("repack", ref.repack, "CPU")
+    _lib.impl("dequantize_tiled", ref.dequantize_tiled, "CPU")
+    for name in _MATMUL_OPS:
+        _lib.impl(name, _linear_ref, "CPU")
+
+    # ---- fakes: shapes and dtypes only (torch.compile / CUDA-graph tracing)
+    torch.library.register_fake("kbit::quantize", _quantize_fake, lib=_lib)
+    torch.library.register_fake("kbit::dequantize", _dequantize_fake, lib=_lib)
+    torch.library.register_fake("kbit::repack", _repack_fake, lib=_lib)
+    torch.library.register_fake("kbit::dequantize_tiled", _dequantize_tiled_fake, lib=_lib)
+    for name in _MATMUL_OPS:
+        torch.library.register_fake(f"kbit::{name}", _linear_fake, lib=_lib)
+
+
+def _quantize_ref(weight: torch.Tensor, codebook: torch.Tensor, bits: int):
+    return ref.quantize(weight, bits, codebook)
+
+
+def _linear_ref(x, qweight, absmax, codebook, bits, n):
+    _check_linear_args(x, qweight, absmax, codebook, bits, n)
+    return ref.linear_tiled(x, qweight, absmax, codebook, bits, n)
+
+
+def _check_linear_args(x, qweight, absmax, codebook, bits, n) -> None:
+    torch._check(x.dim() == 2, lambda: f"kbit: x must be 2-D [M, K], got shape {tuple(x.shape)}")
+    torch._check(x.dtype in (torch.float16, torch.bfloat16),
+                 lambda: f"kbit: x must be float16 or bfloat16, got {x.dtype}")  # fmt: skip
+    torch._check(qweight.dtype == torch.int32, lambda: f"kbit: qweight must be int32, got {qweight.dtype}")
+    torch._check(absmax.dtype == torch.uint8,
+                 lambda: f"kbit: weight_absmax must be uint8, got {absmax.dtype}")  # fmt: skip
+    torch._check(codebook.dtype == torch.float32 and codebook.numel() == 2**bits,
+                 lambda: f"kbit: codebook must be float32 [{2**bits}], got {codebook.dtype} "
+                 f"{tuple(codebook.shape)}")  # fmt: skip
+
+
+def _quantize_fake(weight, codebook, bits):
+    check_bits(bits)
+    torch._check(weight.dim() == 2, lambda: f"kbit: weight must be 2-D, got {tuple(weight.shape)}")
+    n, k = weight.shape
+    kb = k // BLOCKSIZE
+    return (weight.new_empty((n, kb * bits), dtype=torch.int32),
+            weight.new_empty((n, kb), dtype=torch.uint8))  # fmt: skip
+
+
+def _dequantize_fake(qweight, absmax, codebook, bits, dtype):
+    return qweight.new_empty((absmax.shape[0], absmax.shape[1] * BLOCKSIZE), dtype=dtype)
+
+
+def _repack_fake(qweight, absmax, bits):
+    n, kb = absmax.shape
+    _, _, words, nbytes = ref.tiled_shape(n, kb * BLOCKSIZE, bits)
+    return qweight.new_empty((words,)), absmax.new_empty((nbytes,))
+
+
+def _dequantize_tiled_fake(qweight, absmax, codebook, bits, n, k, dtype):
+    return qweight.new_empty((n, k), dtype=dtype)
+
+
+def _linear_fake(x, qweight, absmax, codebook, bits, n):
+    _check_linear_args(x, qweight, absmax, codebook, bits, n)
+    return x.new_empty((x.shape[0], n))
+
+
+def _load_cuda() -> None:
+    """Attach CUDA implementations: the compiled kernels, else the reference on the GPU."""
+    global _cuda_backend
+    if _cuda_backend != "none":
+        return
+    try:
+        from . import _C  # noqa: F401  (its static initialisers register the CUDA kernels)
+
+        _cuda_backend = "compiled"
+        return
+    except ImportError as e:
+        if os.environ.get("KBIT_REQUIRE_CUDA_EXT", "0") == "1":
+            raise ImportError("vllm_kbit._C is not built (KBIT_REQUIRE_CUDA_EXT=1)") from e
+        logger.warning("vllm_kbit._C is not built (%s); CUDA tensors use the slow PyTorch "
+                       "reference. Reinstall with nvcc available to get the kernels.", e)  # fmt: skip
+    assert _lib is not None
+    _lib.impl("quantize", _quantize_ref, "CUDA")
+    _lib.impl("dequantize", ref.dequantize, "CUDA")
+    _lib.impl("repack", ref.repack, "CUDA")
+    _lib.impl("dequantize_tiled", ref.dequantize_tiled, "CUDA")
+    for name in _MATMUL_OPS:
+        _lib.impl(name, _linear_ref, "CUDA")
+    _cuda_backend = "reference"
+
+
+def load() -> str:
+    """Define every ``torch.ops.kbit`` op (idempotent); returns the CUDA backend in use."""
+    if _lib is None and hasattr(torch.ops.kbit, "linear"):
+        return _cuda_backend  # defined by another copy of this module; nothing to add
+    _define()
+    _load_cuda()
+    return _cuda_backend
+
+
+def has_cuda_kernels() -> bool:
+    return load() == "compiled"
