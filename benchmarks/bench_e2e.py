@@ -1,0 +1,231 @@
+# SPDX-License-Identifier: Apache-2.0
+"""End-to-end decode throughput through vLLM's offline ``LLM`` API: output tokens/s at
+several batch sizes for a model built from a ``config.json`` with dummy weights, for fp16
+and kbit k = 2..5 (online quantization of the dummy weights at load time).
+
+Each method runs in its own subprocess (fresh GPU memory); results are appended to a JSON
+file as they finish, and finished (method, batch) pairs are skipped when re-run.
+
+    python benchmarks/bench_e2e.py --methods fp16,kbit4 --batch 1,64 --out-dir benchmarks/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+LLAMA_8B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "hidden_act": "silu",
+    "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 128000,
+    "eos_token_id": 128001,
+}  # fmt: skip
+
+
+def model_dir(config: str | None, work: Path) -> Path:
+    """A directory holding only config.json (dummy weights need nothing else)."""
+    d = work / "model"
+    d.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads(Path(config).read_text()) if config else LLAMA_8B
+    cfg.pop("quantization_config", None)
+    (d / "config.json").write_text(json.dumps(cfg, indent=1))
+    return d
+
+
+def worker(args: argparse.Namespace) -> None:
+    """Runs inside the subprocess: one method, all batch sizes; prints one JSON line each."""
+    import torch
+    from vllm import LLM, SamplingParams
+
+    kw = dict(model=args.model, load_format="dummy", skip_tokenizer_init=True, seed=0,
+              dtype=args.dtype, max_model_len=args.input_len + args.output_len + 16,
+              max_num_seqs=max(args.batch), gpu_memory_utilization=args.gpu_mem,
+              enforce_eager=args.eager)  # fmt: skip
+    if args.method.startswith("kbit"):
+        bits = int(args.method[4:])
+        kw.update(quantization="kbit",
+                  hf_overrides={"quantization_config": {"quant_method": "kbit", "bits": bits}})  # fmt: skip
+    t0 = time.perf_counter()
+    llm = LLM(**kw)
+    load_s = time.perf_counter() - t0
+    print(json.dumps({"event": "loaded", "method": args.method, "load_s": load_s,
+                      "gpu_mem_gib": torch.cuda.memory_allocated() / 2**30}), flush=True)  # fmt: skip
+    sp = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    vocab = 1000
+    for b in args.batch:
+        prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % vocab + 10 for j in range(args.input_len)]}
+                   for i in range(b)]  # fmt: skip
+        llm.generate(prompts, sp, use_tqdm=False)  # warm-up
+        times = []
+        for _ in range(args.repeats):
+            t = time.perf_counter()
+            outs = llm.generate(prompts, sp, use_tqdm=False)
+            times.append(time.perf_counter() - t)
+        n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+        med = statistics.median(times)
+        print(json.dumps({"event": "result", "method": args.method, "batch": b, "output_tokens": n_out,
+                          "seconds_median": med, "seconds_all": times, "output_tok_s": n_out / med,
+                          "load_s": load_s}), flush=True)  # fmt: skip
+    os._exit(0)  # a finished LLM can hang at exit (engine process)
+
+
+def versions() -> dict:
+    import torch
+
+    info = {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+    }
+    try:
+        import vllm
+
+        info["vllm"] = vllm.__version__
+    except Exception as e:  # pragma: no cover
+        info["vllm"] = f"n/a ({e})"
+    if torch.cuda.is_available():
+        info["device"] = torch.cuda.get_device_name()
+    try:
+        info["git_commit"] = subprocess.check_output(
+            ["git", "rev-parse", "HEAD"], cwd=HERE, text=True
+        ).strip()
+    except Exception:
+        info["git_commit"] = "unknown"
+    return info
+
+
+def write_table(res: dict, path: Path) -> None:
+    rows = res["results"]
+    batches = sorted({r["batch"] for r in rows})
+    methods = [m for m in res["methods"] if any(r["method"] == m for r in rows)]
+    base = {r["batch"]: r["output_tok_s"] for r in rows if r["method"] == res["baseline"]}
+    lines = [f"# End-to-end decode throughput ({res['meta'].get('device', '?')})", "",
+             f"- command: `{res['meta']['command']}`", f"- date: {res['meta']['date']}",
+             f"- versions: torch {res['meta']['torch']}, vLLM {res['meta']['vllm']}, CUDA "
+             f"{res['meta']['cuda']}, commit {res['meta']['git_commit'][:10]}",
+             f"- model: {res['meta']['model_desc']}, dummy weights, input {res['meta']['input_len']} / "
+             f"output {res['meta']['output_len']} tokens, greedy, ignore_eos; median of "
+             f"{res['meta']['repeats']} runs after a warm-up", "",
+             "| method | load s | " + " | ".join(f"batch {b} tok/s (x {res['baseline']})" for b in batches) + " |",
+             "|---|---|" + "---|" * len(batches)]  # fmt: skip
+    for m in methods:
+        cells = []
+        load = next((r["load_s"] for r in rows if r["method"] == m), float("nan"))
+        for b in batches:
+            r = next((r for r in rows if r["method"] == m and r["batch"] == b), None)
+            if r is None:
+                cells.append("failed" if m in res.get("failed", {}) else "-")
+            else:
+                x = r["output_tok_s"] / base[b] if b in base else float("nan")
+                cells.append(f"{r['output_tok_s']:.0f} ({x:.2f}x)")
+        lines.append(f"| {m} | {load:.0f} | " + " | ".join(cells) + " |")
+    for m, why in res.get("failed", {}).items():
+        lines.append(f"\n{m} failed: {why}")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--config", help="config.json to use (default: Llama-3.1-8B shape)")
+    p.add_argument("--methods", default="fp16,kbit2,kbit3,kbit4,kbit5")
+    p.add_argument("--batch", default="1,64")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dtype", default="float16", help="model dtype for every method")
+    p.add_argument("--gpu-mem", type=float, default=0.85)
+    p.add_argument(
+        "--eager", action="store_true", help="--enforce-eager (default: compile + graphs)"
+    )
+    p.add_argument("--out-dir", default=str(HERE / "results"))
+    p.add_argument("--tag", default="", help="suffix of the output file names")
+    p.add_argument("--timeout", type=int, default=420, help="seconds per method")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.batch = [int(b) for b in str(args.batch).split(",")]
+    if args.worker:
+        args.method = args.worker
+        return worker(args)
+
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"bench_e2e{args.tag}"
+    res = (
+        json.loads(stem.with_suffix(".json").read_text())
+        if stem.with_suffix(".json").exists()
+        else None
+    )
+    methods = args.methods.split(",")
+    if res is None:
+        meta = versions() | {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                             "command": " ".join([Path(sys.argv[0]).name] + (argv or sys.argv[1:])),
+                             "input_len": args.input_len, "output_len": args.output_len,
+                             "repeats": args.repeats, "dtype": args.dtype,
+                             "model_desc": args.config or "Llama-3.1-8B shape"}  # fmt: skip
+        res = {"meta": meta, "methods": [], "baseline": "fp16", "results": [], "failed": {}}
+    res["methods"] = list(dict.fromkeys(res["methods"] + methods))
+    mdir = model_dir(args.config, Path("/tmp/kbit-e2e"))
+    for m in methods:
+        todo = [
+            b
+            for b in args.batch
+            if not any(r["method"] == m and r["batch"] == b for r in res["results"])
+        ]
+        if not todo:
+            print(f"[{m}] done already, skipping", flush=True)
+            continue
+        cmd = [sys.executable, __file__, "--worker", m, "--model", str(mdir), "--batch",
+               ",".join(map(str, todo)), "--input-len", str(args.input_len), "--output-len",
+               str(args.output_len), "--repeats", str(args.repeats), "--dtype",
+               args.dtype,
+               "--gpu-mem", str(args.gpu_mem)] + (["--eager"] if args.eager else [])  # fmt: skip
+        print(f"[{m}] starting: batches {todo}", flush=True)
+        t0 = time.time()
+        log = out / f"bench_e2e{args.tag}_{m}.log"
+        with open(log, "w") as f:
+            proc = subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=f, text=True, start_new_session=True
+            )
+            try:
+                for line in proc.stdout:  # type: ignore[union-attr]
+                    if line.startswith("{"):
+                        ev = json.loads(line)
+                        print(f"[{m}] {ev}", flush=True)
+                        if ev["event"] == "result":
+                            res["results"].append(ev)
+                            res["failed"].pop(m, None)
+                            stem.with_suffix(".json").write_text(json.dumps(res, indent=1))
+                    if time.time() - t0 > args.timeout:
+                        raise TimeoutError(f"over {args.timeout} s")
+                proc.wait(timeout=60)
+            except Exception as e:
+                res["failed"][m] = f"{type(e).__name__}: {e}"
+            finally:
+                try:
+                    os.killpg(proc.pid, 9)
+                except ProcessLookupError:
+                    pass
+        if not any(r["method"] == m for r in res["results"]):
+            res["failed"].setdefault(m, f"no result; see {log.name}")
+        stem.with_suffix(".json").write_text(json.dumps(res, indent=1))
+        write_table(res, stem.with_suffix(".md"))
+    write_table(res, stem.with_suffix(".md"))
+    print(stem.with_suffix(".md").read_text(), flush=True)
+
+
+if __name__ == "__main__":
+    main()

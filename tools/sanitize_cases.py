@@ -1,0 +1,41 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A representative, small set of calls of every kbit CUDA op, for compute-sanitizer
+(memcheck, racecheck): every k, both dtypes, awkward shapes (tails in N, K and M), every
+path of kbit::linear. Also checks each result against the reference so a run that
+'passes' the sanitizer also computed the right thing."""
+
+import os
+
+import torch
+
+import vllm_kbit._ops as ops
+from vllm_kbit import reference as ref
+from vllm_kbit.format import default_codebook
+
+assert ops.load() == "compiled", "vllm_kbit._C is not built"
+K_OPS = torch.ops.kbit
+torch.manual_seed(0)
+dev = "cuda"
+for bits in (2, 3, 4, 5):
+    cb = default_codebook(bits).to(dev)
+    for n, k in ((17, 4128), (1000, 96), (8, 32)):
+        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
+        q, a = K_OPS.quantize(w, cb, bits)
+        q_ref, a_ref = ref.quantize(w.cpu(), bits)
+        assert torch.equal(q.cpu(), q_ref) and torch.equal(a.cpu(), a_ref), "quantize"
+        qt, at = K_OPS.repack(q, a, bits)
+        w_deq = K_OPS.dequantize_tiled(qt, at, cb, bits, n, k, torch.float16)
+        assert torch.equal(w_deq.cpu(), ref.dequantize(q_ref, a_ref, cb.cpu(), bits)), "dequant"
+        for dtype in (torch.float16, torch.bfloat16):
+            for m in (1, 3, 5, 17, 64, 300):
+                x = torch.randn(m, k, device=dev, dtype=dtype)
+                want = x.float() @ w_deq.float().t()
+                paths = ["gemv", "mma", "dequant"] if m <= 8 else ["mma", "dequant"]
+                for path in paths:
+                    os.environ["KBIT_FORCE_KERNEL"] = path
+                    y = K_OPS.linear(x, qt, at, cb, bits, n).float()
+                    err = ((y - want).norm() / want.norm()).item()
+                    assert err < 2e-2, f"{path} bits={bits} n={n} k={k} m={m} {dtype}: rel err {err}"
+os.environ.pop("KBIT_FORCE_KERNEL", None)
+torch.cuda.synchronize()
+print("sanitize cases ok")
