@@ -59,7 +59,10 @@ def check_bits(bits: int, what: str = "bits") -> int:
 
 def check_codebook(codebook: Any, bits: int, what: str = "codebook") -> torch.Tensor:
     """Validate a codebook (any sorted 2^bits finite values in [-1, 1]); return float32."""
-    cb = torch.as_tensor(codebook)
+    try:
+        cb = torch.as_tensor(codebook)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"kbit: {what} must be a list of 2^bits numbers, got {codebook!r:.80}") from None
     if not (cb.dtype.is_floating_point or cb.dtype in (torch.int32, torch.int64)):
         raise ValueError(f"kbit: {what} must hold floats, got dtype {cb.dtype}")
     cb = cb.detach().to(device="cpu", dtype=torch.float32)
@@ -168,7 +171,7 @@ class KbitQuantConfig:
         if not isinstance(lm, bool):
             raise ValueError(f"kbit: quantize_lm_head must be true or false, got {lm!r}")
         return cls(bits=d.get("bits", 4), codebooks={_int_key(k): v for k, v in cbs.items()},
-                   modules_to_not_convert=[str(s) for s in skip], module_bits=dict(mbits),
+                   modules_to_not_convert=list(skip), module_bits=dict(mbits),
                    quantize_lm_head=lm)  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:

@@ -1,0 +1,253 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Shared timing helpers of the kbit benchmarks.
+
+Method (see benchmarks/README.md): each call reads its own copy of the weights, and the
+copies together exceed ``factor`` x the GPU's L2, so every call streams cold weights from
+HBM. One rotation through the copies (R calls) is captured in a CUDA graph; graph replays
+are timed with CUDA events; the result is the median over the replays divided by R. If
+capture fails, the same rotation is timed with events around eager calls (the note says
+why). On a machine without CUDA the wall clock is used (for tests only).
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import platform
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Timing:
+    us: float  # median microseconds per call
+    calls: int  # calls per timed replay (= weight copies rotated through)
+    reps: int  # timed replays
+    method: str  # "graph", "events" (eager calls, no graph) or "wall" (CPU)
+    note: str = ""  # why the graph was not used, if it was not
+    samples_us: list[float] = field(default_factory=list)  # per replay, per call
+
+
+def l2_cache_bytes(device: int = 0) -> int:
+    """The GPU's L2 size in bytes (0 without CUDA)."""
+    if not torch.cuda.is_available():
+        return 0
+    return int(torch.cuda.get_device_properties(device).L2_cache_size)
+
+
+def copies_needed(
+    bytes_per_copy: float,
+    l2_bytes: int,
+    factor: float = 3.0,
+    max_copies: int = 64,
+    max_total_bytes: float | None = None,
+) -> int:
+    """Weight copies to rotate through so that they total >= factor x L2 (at least 1),
+    capped at ``max_copies`` and at ``max_total_bytes`` of memory."""
+    if bytes_per_copy <= 0:
+        raise ValueError(f"bytes_per_copy must be positive, got {bytes_per_copy}")
+    n = max(1, math.ceil(factor * l2_bytes / bytes_per_copy))
+    n = min(n, max(1, max_copies))
+    if max_total_bytes is not None:
+        n = min(n, max(1, int(max_total_bytes // bytes_per_copy)))
+    return n
+
+
+def reps_for(
+    replay_s: float, min_reps: int = 10, max_reps: int = 200, target_s: float = 0.02
+) -> int:
+    """Timed replays: enough to fill ``target_s``, within [min_reps, max_reps]."""
+    if replay_s <= 0:
+        return max_reps
+    return max(min_reps, min(max_reps, math.ceil(target_s / replay_s)))
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _capture(fns: Sequence[Callable[[], object]]) -> torch.cuda.CUDAGraph:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up on a side stream, as torch recommends
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in fns:
+            f()
+    return g
+
+
+def _time_replays(
+    run: Callable[[], object],
+    calls: int,
+    warmup: int,
+    min_reps: int,
+    max_reps: int,
+    target_s: float,
+    cuda: bool,
+) -> tuple[float, int, list[float]]:
+    for _ in range(warmup):
+        run()
+    _sync()
+    t0 = time.perf_counter()
+    run()
+    _sync()
+    reps = reps_for(time.perf_counter() - t0, min_reps, max_reps, target_s)
+    if cuda:
+        ev = [
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            for _ in range(reps)
+        ]
+        for start, end in ev:
+            start.record()
+            run()
+            end.record()
+        torch.cuda.synchronize()
+        samples = [s.elapsed_time(e) * 1e3 / calls for s, e in ev]
+    else:
+        samples = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            run()
+            samples.append((time.perf_counter() - t0) * 1e6 / calls)
+    return statistics.median(samples), reps, samples
+
+
+def time_calls(
+    fns: Sequence[Callable[[], object]],
+    *,
+    warmup: int = 3,
+    min_reps: int = 10,
+    max_reps: int = 200,
+    target_s: float = 0.02,
+    use_graph: bool = True,
+    cuda: bool | None = None,
+) -> Timing:
+    """Median time of one call, rotating through ``fns`` (one closure per weight copy).
+
+    The first eager call of every closure runs outside any try: an op that fails raises
+    here, for the caller to report. Graph capture failure falls back to eager events.
+    ``cuda=False`` times with the wall clock (CPU tensors).
+    """
+    if not fns:
+        raise ValueError("time_calls needs at least one callable")
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    for f in fns:  # validates every call and warms caches/handles
+        f()
+    _sync()
+    calls, note = len(fns), ""
+
+    def eager() -> None:
+        for f in fns:
+            f()
+
+    if cuda and use_graph:
+        try:
+            g = _capture(fns)
+        except Exception as e:  # noqa: BLE001  (reported, then timed without a graph)
+            _sync()  # a broken context raises here, which the caller treats as fatal
+            first = (str(e).strip().splitlines() or [""])[0][:160]
+            note = f"graph capture failed: {type(e).__name__}: {first}"
+        else:
+            us, reps, samples = _time_replays(
+                g.replay, calls, warmup, min_reps, max_reps, target_s, cuda
+            )
+            del g
+            return Timing(us, calls, reps, "graph", "", _round(samples))
+    elif cuda:
+        note = "graphs disabled (--no-graph)"
+    us, reps, samples = _time_replays(eager, calls, warmup, min_reps, max_reps, target_s, cuda)
+    return Timing(us, calls, reps, "events" if cuda else "wall", note, _round(samples))
+
+
+def _round(xs: list[float]) -> list[float]:
+    return [round(x, 3) for x in xs]
+
+
+# ----------------------------------------------------------------- device + run facts
+
+
+def device_short_name(name: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'h100', 'NVIDIA GeForce RTX 4090' -> 'rtx4090'."""
+    s = name.replace("NVIDIA", "").replace("GeForce", "").strip()
+    m = re.search(r"\bRTX\s*(?:PRO\s*)?(\d{4})", s, re.IGNORECASE)
+    if m:
+        return f"rtx{m.group(1)}"
+    m = re.search(r"\b([A-Z]{1,2}\d{2,3}[A-Z]?)\b", s)
+    if m:
+        return m.group(1).lower()
+    slug = re.sub(r"[^a-z0-9]+", "-", s.lower()).strip("-")
+    return slug[:24] or "unknown"
+
+
+def _cmd(args: list[str], timeout: float = 10.0) -> str:
+    try:
+        r = subprocess.run(
+            args, capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT, check=False
+        )
+        return r.stdout.strip() if r.returncode == 0 else ""
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def run_metadata(argv: Sequence[str] | None = None) -> dict[str, object]:
+    """Facts about this run: device, versions, date, command line, git commit."""
+    argv = list(sys.argv if argv is None else argv)
+    meta: dict[str, object] = {
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": shlex.join([Path(sys.executable).name, *argv]),
+        "python": platform.python_version(),
+        "host": platform.node(),
+        "torch": torch.__version__,
+        "cuda_runtime": torch.version.cuda,
+        "git_commit": _cmd(["git", "rev-parse", "HEAD"]) or "unknown",
+        "git_dirty": bool(_cmd(["git", "status", "--porcelain", "--untracked-files=no"])),
+    }
+    try:
+        from importlib.metadata import version
+
+        meta["vllm"] = version("vllm")
+    except Exception:  # noqa: BLE001
+        meta["vllm"] = "not installed"
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        meta.update(
+            {
+                "device": p.name,
+                "device_short": device_short_name(p.name),
+                "capability": f"sm_{p.major}{p.minor}",
+                "sm_count": p.multi_processor_count,
+                "l2_bytes": int(p.L2_cache_size),
+                "memory_bytes": int(p.total_memory),
+            }
+        )
+        q = "driver_version,clocks.sm,clocks.max.sm,clocks.mem,power.limit,persistence_mode"
+        smi = _cmd(["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader", "-i", "0"])
+        if smi:
+            meta.update(
+                dict(
+                    zip(
+                        [f"smi_{k.replace('.', '_')}" for k in q.split(",")],
+                        [v.strip() for v in smi.split(",")],
+                    )
+                )
+            )
+        meta["driver"] = meta.get("smi_driver_version", "unknown")
+    else:
+        meta.update({"device": "cpu", "device_short": "cpu", "sm_count": 0, "l2_bytes": 0})
+    return meta
