@@ -36,6 +36,11 @@ def cuda_extensions():
         "-Xptxas=--warn-on-spills",
         f"--threads={os.environ.get('NVCC_THREADS', '2')}",
         "-DNDEBUG" if not debug else "-DKBIT_DEBUG",
+        # torch's builder defines these to hide half/bf16 operators; the kernels use them.
+        "-U__CUDA_NO_HALF_OPERATORS__",
+        "-U__CUDA_NO_HALF_CONVERSIONS__",
+        "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
+        "-U__CUDA_NO_HALF2_OPERATORS__",
     ]
     ext = CUDAExtension(
         name="vllm_kbit._C",

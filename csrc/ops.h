@@ -27,7 +27,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor
 // mma.cu: y[M, n] = x[M, K] @ W^T with tensor cores, dequantization fused (mid M).
 at::Tensor mma(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& absmax,
                const at::Tensor& codebook, int64_t bits, int64_t n);
-// linear.cpp: picks gemv / mma / dequantize_tiled + cuBLAS from M (KBIT_FORCE_KERNEL overrides).
+// linear.cu: picks gemv / mma / dequantize_tiled + cuBLAS from M (KBIT_FORCE_KERNEL overrides).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& absmax,
                   const at::Tensor& codebook, int64_t bits, int64_t n);
 

@@ -1,0 +1,706 @@
+// SPDX-License-Identifier: Apache-2.0
+// kbit::mma: y[M, n] = x[M, K] @ W^T for mid-size M (~5-64), fp16/bf16, fp32 accumulation, on
+// tensor cores (mma.m16n8k16: W is the A operand, 16 output rows; x is B, 8 tokens). W comes in the
+// runtime tiled layout (docs/format.md), whose tile bytes already are the A fragments.
+//
+// Design (per CTA: 8 warps, 16 n-tiles = 256 output rows, TM tokens, a range of 128-wide k-tiles):
+//  * Data: cp.async ring of `stages` (2-4) k-tiles in shared memory, each holding the 16 weight
+//    tiles (bits*256 B + 64 B absmax each) and the x tile [TM][128] (zero-filled past M and K).
+//    Weights are used once by one lane, but the ring gives deep prefetch without registers.
+//  * Warp w owns n-tiles 2w, 2w+1: every x fragment (ldmatrix) feeds 2 MMAs, which halves the
+//    shared-memory reads of x; every dequantized A fragment feeds TM/8 MMAs.
+//  * Dequantization, per lane and 2 adjacent columns (= one A register): the k bit planes are
+//    transposed in registers (shift/lop3 on 32-bit words) so that the 2k bits of a column pair
+//    sit in one byte (k=5: 10 bits), then ONE shared-memory load from a half2 pair table
+//    T[idx] = (cb[lo], cb[hi]) gives both values, and one HMUL2 applies the block's absmax.
+//    T is replicated `copies` times (entry i of lane l at word i*copies + l % copies) so that
+//    the 32 random lookups of a warp hit 32 different banks.
+//  * Split-K over CTAs when n-tiles x token tiles do not fill the GPU (<= 8 splits). sm_90: the
+//    splits of one output tile form a thread-block cluster and reduce through distributed shared
+//    memory (one kernel, deterministic); older GPUs: fp32 partials [S, M, n] plus a reduce kernel.
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <mutex>
+#include <type_traits>
+#include <unordered_map>
+
+#include "kbit_format.cuh"
+#include "ops.h"
+
+namespace kbit {
+namespace {
+
+constexpr int kThreads = 256;                   // 8 warps
+constexpr int kNT = 2;                          // 16-row tiles per warp (x fragment reuse)
+constexpr int kGroupTiles = kThreads / 32 * kNT;  // 16 n-tiles = 256 rows per CTA
+constexpr int kGroupRows = kGroupTiles * kTileN;
+constexpr int kXRow = kTileK * 2 + 16;          // smem bytes per token row of an x tile: +16 B
+                                                // so the 8 rows of an ldmatrix hit 8 bank quads
+constexpr int kOutRow = kGroupRows + 4;         // floats per token row of the epilogue tile: +4
+                                                // so the accumulator stores are conflict-free
+constexpr int kMaxSplits = 8;                   // portable thread-block cluster size
+constexpr int kMaxStages = 4;
+
+enum Mode : int { kDirect = 0, kCluster = 1, kWorkspace = 2 };
+
+struct Params {
+    const uint8_t* x;      // [M, ldx] fp16/bf16, 16-byte aligned rows
+    int64_t ldx_bytes;
+    const uint8_t* qw;     // tiled planes
+    const uint8_t* am;     // tiled absmax
+    const float* cb;       // [2^bits]
+    void* y;               // [M, n]
+    float* ws;             // [splits, M, n] (kWorkspace)
+    int M, n, K, n_tiles, k_tiles, kchunk, splits, stages, mode, copies_log2;
+    int ring_off;          // smem bytes before the ring: table + 64 (the table is 64-aligned)
+};
+
+// Shared-memory bytes of one pipeline stage and of the epilogue tile (aliases the ring).
+template <int BITS, int TM>
+struct Layout {
+    static constexpr int kW = kGroupTiles * BITS * 256;  // bit planes of 16 tiles
+    static constexpr int kA = kGroupTiles * 64;          // absmax of 16 tiles
+    static constexpr int kStage = kW + kA + TM * kXRow;
+    static constexpr int kOut = TM * kOutRow * 4;
+};
+
+// ------------------------------------------------------------------------ device helpers
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte async copy global -> shared; src-size 0 zero-fills without touching global memory
+// (tokens >= M, columns >= K, tiles past n).
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+                 "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// Table lookup by 32-bit shared address: the address (smem base folded into the lane's base) is
+// one IMAD/LOP3 per lookup; a generic pointer would cost an extra add (on sm_90 the smem base
+// depends on the CTA's cluster id). Not volatile: the table is constant after the first barrier.
+__device__ __forceinline__ uint32_t lds32(uint32_t addr) {
+    uint32_t v;
+    asm("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr));
+    return v;
+}
+
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x2(uint32_t (&r)[2], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
+                 : "=r"(r[0]), "=r"(r[1])
+                 : "r"(addr));
+}
+
+template <bool BF16>
+__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+    if constexpr (BF16) {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+            "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    } else {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+            "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+}
+
+// Codebook entries are stored pre-multiplied by 2^S so that the absmax can be built from its
+// E4M4 bits with one shift (below): fp16 S = 4, bf16 S = 116 (exact power-of-two scalings).
+template <bool BF16>
+__device__ __forceinline__ uint16_t scaled_code(float v) {
+    if constexpr (BF16) return __bfloat16_as_ushort(__float2bfloat16_rn(v * 0x1p116f));
+    else return __half_as_ushort(__float2half_rn(v * 16.0f));
+}
+
+// E4M4 (bias 11, IEEE-style subnormals) is an fp16 (bias 15) or bf16 (bias 127) number with the
+// low mantissa bits zero: code c << 6 as fp16 bits = absmax / 16, c << 3 as bf16 = absmax / 2^116,
+// subnormals included. From a row's 4 absmax bytes [c0 c1 c2 c3], returns the half2 pairs
+// (c0, c2) (sel = 0) or (c1, c3) (sel = 1): 2 integer ops per 2 scales.
+template <bool BF16>
+__device__ __forceinline__ uint32_t absmax_pair(uint32_t a, int sel) {
+    if constexpr (BF16) return (sel ? a >> 5 : a << 3) & 0x07F807F8u;
+    else return (sel ? a >> 2 : a << 6) & 0x3FC03FC0u;
+}
+
+// v * broadcast(half `hi` of s): one HMUL2 whose second operand selects .H0_H0 / .H1_H1.
+template <bool BF16>
+__device__ __forceinline__ uint32_t mul_scale(uint32_t v, uint32_t s, bool hi) {
+    uint32_t r;
+    if constexpr (BF16) {
+        const __nv_bfloat162 sv = *reinterpret_cast<const __nv_bfloat162*>(&s);
+        const __nv_bfloat162 p = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&v),
+                                         hi ? __high2bfloat162(sv) : __low2bfloat162(sv));
+        r = *reinterpret_cast<const uint32_t*>(&p);
+    } else {
+        const __half2 sv = *reinterpret_cast<const __half2*>(&s);
+        const __half2 p = __hmul2(*reinterpret_cast<const __half2*>(&v),
+                                  hi ? __high2half2(sv) : __low2half2(sv));
+        r = *reinterpret_cast<const uint32_t*>(&p);
+    }
+    return r;
+}
+
+// Index words of one lane and one 32-bit word of a tile (2 blocks x 2 row halves = 4 bytes q,
+// each 4 column pairs p: bits 2p, 2p+1 of byte q are the columns 2p, 2p+1 of the A fragment
+// order). Output: the 2k-bit pair index of (q, p) with plane j's two bits at bits 2j, 2j+1.
+//  k=2: iw[p & 1], nibble 2q + p/2 (one stage of bit-field swaps).
+//  k=3,4: iw[p], byte q (a 4x4 transpose of 2-bit fields: two stages of swaps, 16 ops/16 pairs).
+//  k=5: as k=4 for planes 0-3; plane 4's bits are attached per lookup (pair_addr).
+template <int BITS>
+__device__ __forceinline__ void index_words(uint32_t (&iw)[5], const uint32_t (&pl)[BITS]) {
+    if constexpr (BITS == 2) {
+        iw[0] = (pl[0] & 0x33333333u) | ((pl[1] << 2) & 0xCCCCCCCCu);
+        iw[1] = ((pl[0] >> 2) & 0x33333333u) | (pl[1] & 0xCCCCCCCCu);
+    } else {
+        const uint32_t a3 = BITS >= 4 ? pl[3] : 0u;
+        const uint32_t b0 = (pl[0] & 0x0F0F0F0Fu) | ((pl[2] << 4) & 0xF0F0F0F0u);
+        const uint32_t b2 = ((pl[0] >> 4) & 0x0F0F0F0Fu) | (pl[2] & 0xF0F0F0F0u);
+        const uint32_t b1 = (pl[1] & 0x0F0F0F0Fu) | ((a3 << 4) & 0xF0F0F0F0u);
+        const uint32_t b3 = ((pl[1] >> 4) & 0x0F0F0F0Fu) | (a3 & 0xF0F0F0F0u);
+        iw[0] = (b0 & 0x33333333u) | ((b1 << 2) & 0xCCCCCCCCu);
+        iw[1] = ((b0 >> 2) & 0x33333333u) | (b1 & 0xCCCCCCCCu);
+        iw[2] = (b2 & 0x33333333u) | ((b3 << 2) & 0xCCCCCCCCu);
+        iw[3] = ((b2 >> 2) & 0x33333333u) | (b3 & 0xCCCCCCCCu);
+        if constexpr (BITS == 5) iw[4] = pl[4];
+    }
+}
+
+// Shared address of this lane's copy of T[index of pair (q, p)]; `base` = table address +
+// this lane's copy offset (64-byte aligned table).
+template <int BITS>
+__device__ __forceinline__ uint32_t pair_addr(const uint32_t (&iw)[5], int p, int q, uint32_t base,
+                                              uint32_t stride) {
+    if constexpr (BITS == 2) {  // 16 entries sit in 16 distinct banks: one copy, 4 idx | base
+        const uint32_t d = iw[p & 1];
+        const int nib = 2 * q + (p >> 1);
+        return (nib == 0 ? (d << 2) & 0x3Cu : (d >> (4 * nib - 2)) & 0x3Cu) | base;
+    } else if constexpr (BITS <= 4) {  // prmt: byte q, zero-extended
+        return __byte_perm(iw[p], 0u, 0x4440u | q) * stride + base;
+    } else {  // prmt: [byte q of iw[p], plane-4 bits of (q, p), 0, 0] = 10-bit index
+        const uint32_t e = (iw[4] >> (16 * (q >> 1) + 2 * p)) & 0x0303u;
+        return __byte_perm(iw[p], e, 0x6600u | ((4u + (q & 1)) << 4) | q) * stride + base;
+    }
+}
+
+__device__ __forceinline__ uint32_t even_bits(uint32_t x) {  // bits 0,2,4,6,8 -> 0..4
+    x &= 0x155u;
+    x = (x | (x >> 1)) & 0x133u;
+    x = (x | (x >> 2)) & 0x10Fu;
+    return (x | (x >> 4)) & 0x1Fu;
+}
+
+// One k-tile of one warp: 2 n-tiles x 8 k16 steps x TM/8 token fragments.
+template <int BITS, int TM, bool BF16>
+__device__ __forceinline__ void tile_step(float (&acc)[kNT][TM / 8][4], const uint8_t* smem,
+                                          int stage, int warp, int lane, uint32_t tbl_lane,
+                                          uint32_t stride, uint32_t x_lane) {
+    using L = Layout<BITS, TM>;
+    const uint8_t* st = smem + stage;
+    uint2 planes[kNT][BITS];  // this lane's 8 bytes of each plane: one coalesced 8-byte load
+    uint32_t sc[kNT][2][2];   // [tile][row half h][blocks (0,2) | (1,3)] absmax half2 pairs
+#pragma unroll
+    for (int i = 0; i < kNT; ++i) {
+        const int tile = warp * kNT + i;
+#pragma unroll
+        for (int j = 0; j < BITS; ++j)
+            planes[i][j] = *reinterpret_cast<const uint2*>(st + (tile * BITS + j) * 256 + lane * 8);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {  // rows g and g + 8: 4 bytes each (quad broadcast)
+            const uint8_t* rows = st + L::kW + tile * 64 + h * 32;
+            const uint32_t a = *reinterpret_cast<const uint32_t*>(rows + (lane >> 2) * 4);
+            sc[i][h][0] = absmax_pair<BF16>(a, 0);
+            sc[i][h][1] = absmax_pair<BF16>(a, 1);
+        }
+    }
+#pragma unroll
+    for (int w = 0; w < 2; ++w) {  // plane word w = blocks 2w, 2w + 1
+        uint32_t iw[kNT][5];
+#pragma unroll
+        for (int i = 0; i < kNT; ++i) {
+            uint32_t pl[BITS];
+#pragma unroll
+            for (int j = 0; j < BITS; ++j) pl[j] = w ? planes[i][j].y : planes[i][j].x;
+            index_words<BITS>(iw[i], pl);
+        }
+#pragma unroll
+        for (int b2 = 0; b2 < 2; ++b2) {  // block 2w + b2 = bytes q = 2 b2 + h
+#pragma unroll
+            for (int s = 0; s < 2; ++s) {  // k16 step kk: columns 16 kk .. 16 kk + 15 of the tile
+                const int kk = 4 * w + 2 * b2 + s;
+                uint32_t a[kNT][4];  // A registers: {row g, row g+8} x {cols 2t.., cols 2t+8..}
+#pragma unroll
+                for (int i = 0; i < kNT; ++i) {
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) {
+                        const int p = 2 * s + (r >> 1), h = r & 1;
+                        const uint32_t v =
+                            lds32(pair_addr<BITS>(iw[i], p, 2 * b2 + h, tbl_lane, stride));
+                        a[i][r] = mul_scale<BF16>(v, sc[i][h][b2], w);
+                    }
+                }
+                if constexpr (TM == 8) {
+                    uint32_t b[2];
+                    ldsm_x2(b, x_lane + kk * 32);
+#pragma unroll
+                    for (int i = 0; i < kNT; ++i) mma16816<BF16>(acc[i][0], a[i], b[0], b[1]);
+                } else {
+#pragma unroll
+                    for (int f = 0; f < TM / 16; ++f) {  // tokens 16f .. 16f + 15: 2 B fragments
+                        uint32_t b[4];
+                        ldsm_x4(b, x_lane + f * 16 * kXRow + kk * 32);
+#pragma unroll
+                        for (int i = 0; i < kNT; ++i) {
+                            mma16816<BF16>(acc[i][2 * f], a[i], b[0], b[1]);
+                            mma16816<BF16>(acc[i][2 * f + 1], a[i], b[2], b[3]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+// Two floats -> packed fp16x2 / bf16x2 bits (low half = first).
+template <bool BF16>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+    if constexpr (BF16) {
+        const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+        return *reinterpret_cast<const uint32_t*>(&h);
+    } else {
+        const __half2 h = __floats2half2_rn(lo, hi);
+        return *reinterpret_cast<const uint32_t*>(&h);
+    }
+}
+
+// 4 consecutive outputs (columns col..col+3 of token row `row`) in y's dtype.
+template <bool BF16>
+__device__ __forceinline__ void store_y(void* y, int row, int col, int n, float4 v) {
+    if (col >= n) return;
+    const uint2 o = make_uint2(pack2<BF16>(v.x, v.y), pack2<BF16>(v.z, v.w));
+    uint16_t* dst = reinterpret_cast<uint16_t*>(y) + static_cast<int64_t>(row) * n + col;
+    if ((n & 3) == 0) {  // 8-byte aligned: col % 4 == 0 and row * n % 4 == 0
+        *reinterpret_cast<uint2*>(dst) = o;
+    } else {
+        dst[0] = static_cast<uint16_t>(o.x);
+        if (col + 1 < n) dst[1] = static_cast<uint16_t>(o.x >> 16);
+        if (col + 2 < n) dst[2] = static_cast<uint16_t>(o.y);
+        if (col + 3 < n) dst[3] = static_cast<uint16_t>(o.y >> 16);
+    }
+}
+
+__device__ __forceinline__ void store_ws(float* ws, int row, int col, int n, float4 v) {
+    if (col >= n) return;
+    float* dst = ws + static_cast<int64_t>(row) * n + col;
+    if ((n & 3) == 0) {
+        *reinterpret_cast<float4*>(dst) = v;
+    } else {
+        dst[0] = v.x;
+        if (col + 1 < n) dst[1] = v.y;
+        if (col + 2 < n) dst[2] = v.z;
+        if (col + 3 < n) dst[3] = v.w;
+    }
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ void cluster_sync() {  // release/acquire: smem writes become visible
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n"
+                 ::: "memory");
+}
+__device__ __forceinline__ uint32_t cluster_rank() {
+    uint32_t r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+    return r;
+}
+__device__ __forceinline__ float4 ld_dsmem(uint32_t local_addr, uint32_t rank) {
+    uint32_t remote;
+    float4 v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n"
+                 : "=r"(remote)
+                 : "r"(local_addr), "r"(rank));
+    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "r"(remote)
+                 : "memory");
+    return v;
+}
+#endif
+
+// ------------------------------------------------------------------------------ kernels
+
+// Grid (n-tile groups, splits, token tiles). 2 CTAs/SM where shared memory allows (TM <= 32).
+template <int BITS, int TM, bool BF16>
+__global__ void __launch_bounds__(kThreads, TM <= 32 ? 2 : 1) mma_kernel(const Params p) {
+    using L = Layout<BITS, TM>;
+    extern __shared__ __align__(16) uint8_t smem[];
+    __shared__ uint16_t cbh[32];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int nt0 = blockIdx.x * kGroupTiles, m0 = blockIdx.z * TM;
+    const int kbeg = blockIdx.y * p.kchunk, nk = min(p.kchunk, p.k_tiles - kbeg);
+    const uint32_t s_base = smem_u32(smem);
+
+    // Copy roles, fixed per thread; the sources advance by one k-tile per load (loop-carried, so
+    // they stay in registers instead of 64-bit address math per k-tile):
+    //  planes: 16-byte chunk (tid & 15) + 16 j of tile tid / 16 (16 threads = one 256-byte plane),
+    //  absmax: threads < 64, chunk tid & 3 of tile tid / 4,
+    //  x: token rows tid / 16 + 16 j, columns 8 (tid & 15) .. + 7 of the k-tile.
+    // Tiles past n read the (valid) last tile and are zero-filled; so are tokens >= M, cols >= K.
+    const int w_tile = tid >> 4, a_tile = (tid >> 2) & (kGroupTiles - 1), x_row = tid >> 4;
+    const bool w_ok = nt0 + w_tile < p.n_tiles, a_ok = nt0 + a_tile < p.n_tiles;
+    const int64_t w_tk = static_cast<int64_t>(min(nt0 + w_tile, p.n_tiles - 1)) * p.k_tiles + kbeg;
+    const int64_t a_tk = static_cast<int64_t>(min(nt0 + a_tile, p.n_tiles - 1)) * p.k_tiles + kbeg;
+    const uint8_t* w_next = p.qw + w_tk * (BITS * 256) + (tid & 15) * 16;
+    const uint8_t* a_next = p.am + a_tk * 64 + (tid & 3) * 16;
+    const int x_col = (tid & 15) * 8;
+    int x_k = kbeg * kTileK + x_col;  // x column of this thread's next chunk
+    const uint8_t* x_next =
+        p.x + static_cast<int64_t>(min(m0 + x_row, p.M - 1)) * p.ldx_bytes + x_k * 2;
+    int load_slot = 0;
+
+    auto load_next = [&]() {  // the next k-tile of this CTA into the next ring slot
+        const uint32_t st = s_base + p.ring_off + load_slot * L::kStage;
+#pragma unroll
+        for (int j = 0; j < BITS; ++j)
+            cp_async16(st + w_tile * (BITS * 256) + (tid & 15) * 16 + j * 256, w_next + j * 256,
+                       w_ok);
+        if (tid < kGroupTiles * 4) cp_async16(st + L::kW + tid * 16, a_next, a_ok);
+#pragma unroll
+        for (int j = 0; j < (TM * 16 + kThreads - 1) / kThreads; ++j) {
+            if (TM * 16 >= kThreads || tid < TM * 16) {
+                const bool ok = x_k < p.K && m0 + x_row + 16 * j < p.M;
+                cp_async16(st + L::kW + L::kA + (x_row + 16 * j) * kXRow + x_col * 2,
+                           ok ? x_next + j * 16 * p.ldx_bytes : p.x, ok);
+            }
+        }
+        w_next += BITS * 256, a_next += 64, x_next += kTileK * 2, x_k += kTileK;
+        load_slot = load_slot + 1 == p.stages ? 0 : load_slot + 1;
+    };
+
+    // Prologue first, so that building the table overlaps the first loads' latency.
+    for (int s = 0; s < p.stages - 1; ++s) {
+        if (s < nk) load_next();
+        cp_async_commit();
+    }
+    if (tid < (1 << BITS)) cbh[tid] = scaled_code<BF16>(p.cb[tid]);
+    __syncthreads();
+    const uint32_t tbl_base = (s_base + 63u) & ~63u;  // < s_base + 64
+    {  // T[idx] = (cb[lo], cb[hi]), lo/hi = even/odd bits of idx. Consecutive threads write
+       // consecutive 16-byte groups of copies (conflict-free); visible after the main loop's
+       // first barrier. 4 copies per store when copies >= 4, else one word per store.
+        uint8_t* tbl = smem + (tbl_base - s_base);
+        const int vec_log2 = p.copies_log2 >= 2 ? 2 : 0;
+        const int stores = 1 << (2 * BITS + p.copies_log2 - vec_log2);
+        for (int e = tid; e < stores; e += kThreads) {
+            const uint32_t idx = static_cast<uint32_t>(e) << vec_log2 >> p.copies_log2;
+            const uint32_t v =
+                cbh[even_bits(idx)] | static_cast<uint32_t>(cbh[even_bits(idx >> 1)]) << 16;
+            if (vec_log2 == 2) reinterpret_cast<uint4*>(tbl)[e] = make_uint4(v, v, v, v);
+            else reinterpret_cast<uint32_t*>(tbl)[e] = v;  // copies 1 or 2 (k = 2, small GPUs)
+        }
+    }
+
+    const int g = lane >> 2, t = lane & 3;
+    const uint32_t tbl_lane = tbl_base + (lane & ((1 << p.copies_log2) - 1)) * 4;  // own copy
+    const uint32_t stride = 4u << p.copies_log2;
+    // ldmatrix row addresses: lane -> token (lane & 7) + 8 (lane >> 4), k + 8 ((lane >> 3) & 1)
+    const int x_tok = TM == 8 ? (lane & 7) : (lane & 7) + ((lane >> 4) << 3);
+    const uint32_t x_lane0 = s_base + L::kW + L::kA + x_tok * kXRow + ((lane >> 3) & 1) * 16;
+    const bool warp_busy = nt0 + warp * kNT < p.n_tiles;
+
+    float acc[kNT][TM / 8][4];
+#pragma unroll
+    for (int i = 0; i < kNT; ++i)
+#pragma unroll
+        for (int f = 0; f < TM / 8; ++f)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][f][e] = 0.f;
+
+    int slot = 0;
+#pragma unroll 1
+    for (int it = 0; it < nk; ++it) {
+        // k-tile `it` has landed once at most stages-2 younger groups are pending; the barrier
+        // also tells every warp that slot (it-1) % stages, refilled next, is no longer read.
+        if (p.stages >= 4) cp_async_wait<2>();
+        else if (p.stages == 3) cp_async_wait<1>();
+        else cp_async_wait<0>();
+        __syncthreads();
+        if (it + p.stages - 1 < nk) load_next();  // into slot (it - 1) % stages
+        cp_async_commit();  // possibly empty: keeps the group count uniform
+        const int stage = p.ring_off + slot * L::kStage;
+        if (warp_busy)
+            tile_step<BITS, TM, BF16>(acc, smem, stage, warp, lane, tbl_lane, stride,
+                                      x_lane0 + stage);
+        slot = slot + 1 == p.stages ? 0 : slot + 1;
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // the ring and the table are dead: reuse them for the output tile
+
+    // Accumulators -> out[token][row] (c0,c1: row g, tokens 2t, 2t+1; c2,c3: row g + 8).
+    float* out = reinterpret_cast<float*>(smem);
+#pragma unroll
+    for (int i = 0; i < kNT; ++i)
+#pragma unroll
+        for (int f = 0; f < TM / 8; ++f) {
+            const int row = (warp * kNT + i) * kTileN + g, tok = f * 8 + 2 * t;
+            out[tok * kOutRow + row] = acc[i][f][0];
+            out[(tok + 1) * kOutRow + row] = acc[i][f][1];
+            out[tok * kOutRow + row + 8] = acc[i][f][2];
+            out[(tok + 1) * kOutRow + row + 8] = acc[i][f][3];
+        }
+
+    // Write-out in float4 units (4 rows of one token): coalesced along n.
+    constexpr int kRowUnits = kGroupRows / 4, kUnits = TM * kRowUnits;
+    const int n0 = nt0 * kTileN, m_valid = min(TM, p.M - m0);
+    if (p.mode == kCluster) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        // The splits of this output tile are one cluster: rank r sums units [r*per, (r+1)*per)
+        // over all ranks' tiles, in rank order (deterministic), then a second cluster barrier
+        // keeps every CTA's shared memory alive until all remote reads are done.
+        cluster_sync();
+        const int rank = static_cast<int>(cluster_rank()), per = (kUnits + p.splits - 1) / p.splits;
+        for (int u = rank * per + tid; u < min(kUnits, (rank + 1) * per); u += kThreads) {
+            const int tok = u / kRowUnits, r4 = (u % kRowUnits) * 4;
+            if (tok >= m_valid) continue;
+            const uint32_t addr = s_base + (tok * kOutRow + r4) * 4;
+            float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+            for (int src = 0; src < p.splits; ++src) {
+                const float4 r = ld_dsmem(addr, src);
+                v.x += r.x, v.y += r.y, v.z += r.z, v.w += r.w;
+            }
+            store_y<BF16>(p.y, m0 + tok, n0 + r4, p.n, v);
+        }
+        cluster_sync();
+#endif
+        return;
+    }
+    __syncthreads();
+    float* ws =  // this split's fp32 partials
+        p.mode == kWorkspace ? p.ws + static_cast<int64_t>(blockIdx.y) * p.M * p.n : nullptr;
+    for (int u = tid; u < kUnits; u += kThreads) {
+        const int tok = u / kRowUnits, r4 = (u % kRowUnits) * 4;
+        if (tok >= m_valid) continue;
+        const float4 v = *reinterpret_cast<const float4*>(out + tok * kOutRow + r4);
+        if (p.mode == kDirect) store_y<BF16>(p.y, m0 + tok, n0 + r4, p.n, v);
+        else store_ws(ws, m0 + tok, n0 + r4, p.n, v);
+    }
+}
+
+// y = sum over splits of ws[s] (fixed order: deterministic), cast to y's dtype.
+template <bool BF16>
+__global__ void __launch_bounds__(256) splitk_reduce_kernel(const float* __restrict__ ws,
+                                                            void* __restrict__ y, int64_t count,
+                                                            int splits) {
+    using T = std::conditional_t<BF16, __nv_bfloat16, __half>;
+    const int64_t step = gridDim.x * int64_t{256};
+    for (int64_t i = blockIdx.x * int64_t{256} + threadIdx.x; i < count; i += step) {
+        float v = 0.f;
+        for (int s = 0; s < splits; ++s) v += ws[s * count + i];
+        if constexpr (BF16) reinterpret_cast<T*>(y)[i] = __float2bfloat16_rn(v);
+        else reinterpret_cast<T*>(y)[i] = __float2half_rn(v);
+    }
+}
+
+// --------------------------------------------------------------------------------- host
+
+struct Choice {
+    int smem = 0, stages = 0, copies_log2 = 0, table_bytes = 0, ctas_per_sm = 0, sms = 0;
+    bool cluster = false;
+};
+
+// Per device and kernel: table copies, stages and shared memory. Prefers a conflict-free table
+// (32 copies), then 2 CTAs/SM (16 warps hide LDS/MMA latency), then >= 3 stages.
+template <int BITS, int TM, bool BF16>
+Choice pick_config(int dev) {
+    static std::mutex mu;
+    static std::unordered_map<int, Choice> cache;
+    const std::lock_guard<std::mutex> lock(mu);
+    if (auto it = cache.find(dev); it != cache.end()) return it->second;
+    using L = Layout<BITS, TM>;
+    cudaDeviceProp prop;
+    C10_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
+    const int per_sm = static_cast<int>(prop.sharedMemPerMultiprocessor);
+    const int optin = static_cast<int>(prop.sharedMemPerBlockOptin);
+    const int reserved = static_cast<int>(prop.reservedSharedMemPerBlock);
+    Choice c;
+    for (int min_stages = 3; min_stages >= 2 && !c.stages; --min_stages)
+        for (int lc = BITS == 2 ? 0 : 5; lc >= 0 && !c.stages; --lc)
+            for (int ctas = TM <= 32 ? 2 : 1; ctas >= 1 && !c.stages; --ctas) {
+                const int budget = std::min(optin, per_sm / ctas - reserved) - 128;  // - static
+                const int table = 4 << (2 * BITS + lc);
+                const int stages = std::min(kMaxStages, (budget - table - 64) / L::kStage);
+                const int smem = std::max(table + 64 + stages * L::kStage, L::kOut);
+                if (stages >= min_stages && smem <= budget)
+                    c = {smem, stages, lc, table, 0, 0, false};
+            }
+    TORCH_CHECK(c.stages, "kbit::mma: not enough shared memory on this GPU for bits=", BITS);
+    const auto kernel = mma_kernel<BITS, TM, BF16>;
+    C10_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, c.smem));
+    C10_CUDA_CHECK(
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&c.ctas_per_sm, kernel, kThreads, c.smem));
+    TORCH_CHECK(c.ctas_per_sm >= 1, "kbit::mma: kernel does not fit on this GPU (bits=", BITS, ")");
+    cudaFuncAttributes fa;
+    C10_CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel));
+    c.sms = prop.multiProcessorCount;
+    if (fa.binaryVersion >= 90) {  // the SASS that runs has the cluster epilogue: can the GPU
+        cudaLaunchConfig_t cfg = {};  // co-schedule the largest cluster (8 CTAs, one GPC)?
+        cfg.gridDim = dim3(1, kMaxSplits, 1);
+        cfg.blockDim = dim3(kThreads);
+        cfg.dynamicSmemBytes = c.smem;
+        cudaLaunchAttribute attr;
+        attr.id = cudaLaunchAttributeClusterDimension;
+        attr.val.clusterDim.x = 1, attr.val.clusterDim.y = kMaxSplits, attr.val.clusterDim.z = 1;
+        cfg.attrs = &attr, cfg.numAttrs = 1;
+        int clusters = 0;
+        if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess) {
+            (void)cudaGetLastError();  // no clusters here: use the workspace reduction
+            clusters = 0;
+        }
+        c.cluster = clusters > 0;
+    }
+    cache.emplace(dev, c);
+    return c;
+}
+
+// Split-K count: minimises waves x (k-tiles per CTA + 1 tile of fill/epilogue), <= 8 splits.
+int choose_splits(int64_t ctas, int k_tiles, int64_t slots) {
+    int best = 1;
+    int64_t best_cost = INT64_MAX;
+    for (int s = 1; s <= std::min(kMaxSplits, k_tiles); ++s) {
+        const int64_t chunk = ceil_div(k_tiles, s);
+        if (ceil_div(k_tiles, chunk) != s) continue;  // same chunks as a smaller s
+        const int64_t cost = ceil_div(ctas * s, slots) * (chunk + 1);
+        if (cost < best_cost) best = s, best_cost = cost;
+    }
+    return best;
+}
+
+int env_int(const char* name, int fallback) {  // test hooks: KBIT_MMA_SPLITS, KBIT_MMA_NO_CLUSTER
+    const char* v = std::getenv(name);
+    return v && *v ? std::atoi(v) : fallback;
+}
+
+template <int BITS, int TM, bool BF16>
+void run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& absmax,
+         const at::Tensor& codebook, at::Tensor& y, const TiledShape& s) {
+    const Choice c = pick_config<BITS, TM, BF16>(x.get_device());
+    const int M = static_cast<int>(x.size(0));
+    const int n_groups = static_cast<int>(ceil_div(s.n_tiles, kGroupTiles));
+    const int m_tiles = static_cast<int>(ceil_div(M, TM)), k_tiles = static_cast<int>(s.k_tiles);
+    const int64_t slots = int64_t{c.sms} * c.ctas_per_sm;
+    int splits = choose_splits(int64_t{n_groups} * m_tiles, k_tiles, slots);
+    if (const int forced = env_int("KBIT_MMA_SPLITS", 0); forced > 0)
+        splits = std::min({forced, kMaxSplits, k_tiles});
+    const int kchunk = static_cast<int>(ceil_div(k_tiles, splits));
+    splits = static_cast<int>(ceil_div(k_tiles, kchunk));
+    const int mode = splits == 1 ? kDirect
+                     : c.cluster && env_int("KBIT_MMA_NO_CLUSTER", 0) == 0 ? kCluster
+                                                                           : kWorkspace;
+    at::Tensor ws;
+    if (mode == kWorkspace) ws = at::empty({splits, M, s.n}, x.options().dtype(at::kFloat));
+
+    Params p{};
+    p.x = static_cast<const uint8_t*>(x.data_ptr());
+    p.ldx_bytes = x.stride(0) * 2;
+    p.qw = reinterpret_cast<const uint8_t*>(qweight.data_ptr<int32_t>());
+    p.am = absmax.data_ptr<uint8_t>();
+    p.cb = codebook.data_ptr<float>();
+    p.y = y.data_ptr();
+    p.ws = mode == kWorkspace ? ws.data_ptr<float>() : nullptr;
+    p.M = M, p.n = static_cast<int>(s.n), p.K = static_cast<int>(s.k);
+    p.n_tiles = static_cast<int>(s.n_tiles), p.k_tiles = k_tiles;
+    p.kchunk = kchunk, p.splits = splits, p.stages = c.stages, p.mode = mode;
+    p.copies_log2 = c.copies_log2, p.ring_off = c.table_bytes + 64;
+
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(n_groups, splits, m_tiles);
+    cfg.blockDim = dim3(kThreads);
+    cfg.dynamicSmemBytes = c.smem;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = 1;
+    attr[0].val.clusterDim.y = splits;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = mode == kCluster ? 1 : 0;
+    C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, mma_kernel<BITS, TM, BF16>, p));
+    if (mode == kWorkspace) {
+        const int64_t count = int64_t{M} * s.n;
+        const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(count, 256), slots * 4));
+        splitk_reduce_kernel<BF16>
+            <<<blocks, 256, 0, stream>>>(ws.data_ptr<float>(), y.data_ptr(), count, splits);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+}
+
+template <int BITS>
+void run_bits(int tm, bool bf16, const at::Tensor& x, const at::Tensor& q, const at::Tensor& a,
+              const at::Tensor& cb, at::Tensor& y, const TiledShape& s) {
+    auto go = [&](auto tm_tag) {
+        constexpr int TM = decltype(tm_tag)::value;
+        if (bf16) run<BITS, TM, true>(x, q, a, cb, y, s);
+        else run<BITS, TM, false>(x, q, a, cb, y, s);
+    };
+    switch (tm) {
+        case 8: go(std::integral_constant<int, 8>{}); break;
+        case 16: go(std::integral_constant<int, 16>{}); break;
+        case 32: go(std::integral_constant<int, 32>{}); break;
+        default: go(std::integral_constant<int, 64>{}); break;
+    }
+}
+
+}  // namespace
+
+at::Tensor mma(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& absmax,
+               const at::Tensor& codebook, int64_t bits, int64_t n) {
+    check_activation(x_in, qweight, "mma");
+    const int64_t M = x_in.size(0), K = x_in.size(1);
+    const TiledShape s = check_tiled(qweight, absmax, bits, n, K, "mma");
+    check_codebook(codebook, bits, "mma");
+    TORCH_CHECK(absmax.device() == qweight.device() && codebook.device() == qweight.device(),
+                "kbit::mma: qweight, weight_absmax and codebook are on different devices");
+    TORCH_CHECK_VALUE(M <= int64_t{65535} * 64 && n < (int64_t{1} << 31) && K < (int64_t{1} << 30),
+                      "kbit::mma: shape too large (M=", M, ", n=", n, ", K=", K, ")");
+    TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(qweight.data_ptr()) % 16 == 0 &&
+                          reinterpret_cast<uintptr_t>(absmax.data_ptr()) % 16 == 0,
+                      "kbit::mma: qweight and weight_absmax must be 16-byte aligned");
+    const c10::cuda::CUDAGuard guard(x_in.device());
+    at::Tensor y = at::empty({M, n}, x_in.options());
+    if (M == 0) return y;
+    // cp.async moves 16-byte chunks: rows must start 16-byte aligned, else copy x once.
+    const bool aligned = reinterpret_cast<uintptr_t>(x_in.data_ptr()) % 16 == 0 &&
+                         (M == 1 || x_in.stride(0) % 8 == 0);
+    const at::Tensor x = aligned ? x_in : x_in.clone(at::MemoryFormat::Contiguous);
+    const int tm = M <= 8 ? 8 : M <= 16 ? 16 : M <= 32 ? 32 : 64;
+    const bool bf16 = x.scalar_type() == at::kBFloat16;
+    switch (bits) {
+        case 2: run_bits<2>(tm, bf16, x, qweight, absmax, codebook, y, s); break;
+        case 3: run_bits<3>(tm, bf16, x, qweight, absmax, codebook, y, s); break;
+        case 4: run_bits<4>(tm, bf16, x, qweight, absmax, codebook, y, s); break;
+        default: run_bits<5>(tm, bf16, x, qweight, absmax, codebook, y, s); break;
+    }
+    return y;
+}
+
+}  // namespace kbit

@@ -1,0 +1,242 @@
+# SPDX-License-Identifier: Apache-2.0
+"""torch.ops.kbit.mma (csrc/mma.cu): y[M, n] = x[M, K] @ W^T on tensor cores, W in the tiled layout.
+
+Oracle: x @ W^T in float32 on the reference-dequantized weights. The kernel must be within 2x the
+error of "dequantize to x.dtype, then matmul" against that oracle (plus a one-ulp floor), for every
+k, fp16/bf16, M from 1 to 256, real Llama-3.1-8B shapes and awkward ones (tails in n, K and M),
+all split-K paths, strided x, and under CUDA-graph replay.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from vllm_kbit import _ops
+from vllm_kbit import reference as ref
+from vllm_kbit.format import default_codebook
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+OPS = torch.ops.kbit
+DTYPES = [torch.float16, torch.bfloat16]
+MS = [1, 2, 3, 4, 5, 8, 13, 16, 17, 31, 64, 127, 256]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _kernels():
+    if _ops.load() != "compiled":
+        pytest.skip("needs the compiled vllm_kbit._C")
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 oracle must really be fp32
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = prev
+
+
+def _random_weight(n: int, k: int, device: str, seed: int, scale_exp=(-8.0, 2.0)) -> torch.Tensor:
+    """N(0, 1) weights times a log-uniform scale per block of 32, so absmax codes vary widely."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    w = torch.randn(n, k // 32, 32, generator=g, device=device)
+    lo, hi = scale_exp
+    s = torch.exp2(torch.rand(n, k // 32, 1, generator=g, device=device) * (hi - lo) + lo)
+    return (w * s).view(n, k)
+
+
+@functools.cache
+def _quantized(n: int, k: int, bits: int, device: str = "cpu", seed: int = 0,
+               codebook: tuple[float, ...] | None = None, scale_exp=(-8.0, 2.0)):  # fmt: skip
+    """(qweight tiled, absmax tiled, codebook, W dequantized fp32) on the GPU. Quantized and
+    repacked by the reference on `device` (the CPU for small shapes, the GPU for big ones)."""
+    cb = default_codebook(bits) if codebook is None else torch.tensor(codebook)
+    w = _random_weight(n, k, device, seed, scale_exp)
+    q, a = ref.quantize(w, bits, cb)
+    qt, at = ref.repack(q, a, bits)
+    w32 = ref.dequantize(q, a, cb, bits, torch.float32)
+    return qt.cuda(), at.cuda(), cb.cuda(), w32.cuda()
+
+
+def _x(m: int, k: int, dtype: torch.dtype, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(m, k, generator=g, device="cuda").to(dtype)
+
+
+def _check(y: torch.Tensor, x: torch.Tensor, w32: torch.Tensor) -> None:
+    assert y.dtype == x.dtype and y.shape == (x.shape[0], w32.shape[0])
+    assert bool(torch.isfinite(y).all())
+    oracle = x.float() @ w32.t()
+    base = (x.float() @ w32.to(x.dtype).float().t()).to(x.dtype).float()
+    err, err_base = (y.float() - oracle).abs(), (base - oracle).abs()
+    # floors: one ulp of the largest output (max), of a typical output / sqrt(count) (mean)
+    eps = torch.finfo(x.dtype).eps
+    floor_max = eps * oracle.abs().max().item()
+    floor_mean = eps * oracle.abs().mean().item() / oracle.numel() ** 0.5
+    assert err.max().item() <= 2 * err_base.max().item() + floor_max, (
+        f"max err {err.max().item():.3g} vs dequant+matmul {err_base.max().item():.3g}"
+    )
+    assert err.mean().item() <= 2 * err_base.mean().item() + floor_mean, (
+        f"mean err {err.mean().item():.3g} vs dequant+matmul {err_base.mean().item():.3g}"
+    )
+
+
+def _mma(x, qt, at, cb, bits, n):
+    return OPS.mma(x, qt, at, cb, bits, n)
+
+
+# Tails everywhere: n = 1, 8, 17 (partial n-tile), 300 (partial CTA group of 16 tiles), 1000;
+# K = 32, 96 (one partial k-tile), 640, 4128 (33 k-tiles, the last holding one block).
+AWKWARD = [(8, 32), (1000, 96), (1, 4128), (17, 4128), (300, 640)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", [2, 3, 4, 5])
+@pytest.mark.parametrize("n,k", AWKWARD)
+def test_awkward_shapes_all_m(n: int, k: int, bits: int, dtype: torch.dtype) -> None:
+    qt, at, cb, w32 = _quantized(n, k, bits)
+    for m in MS:
+        x = _x(m, k, dtype, seed=m)
+        _check(_mma(x, qt, at, cb, bits, n), x, w32)
+
+
+# Llama-3.1-8B layers (N, K): o, qkv, down, gate_up; quantized on the GPU for speed.
+REAL = [
+    (4096, 4096, [2, 3, 4, 5], torch.float16, [1, 5, 16, 64]),
+    (4096, 4096, [3, 5], torch.bfloat16, [8, 31]),
+    (6144, 4096, [4], torch.float16, [16, 64]),
+    (6144, 4096, [2], torch.bfloat16, [13]),
+    (4096, 14336, [4], torch.float16, [16, 64]),
+    (4096, 14336, [5], torch.bfloat16, [17]),
+    (28672, 4096, [4], torch.float16, [16, 64]),
+    (28672, 4096, [3], torch.bfloat16, [8]),
+]
+
+
+@pytest.mark.parametrize("n,k,bits_list,dtype,ms", REAL)
+def test_real_shapes(n, k, bits_list, dtype, ms) -> None:
+    for bits in bits_list:
+        qt, at, cb, w32 = _quantized(n, k, bits, device="cuda")
+        for m in ms:
+            x = _x(m, k, dtype, seed=m)
+            _check(_mma(x, qt, at, cb, bits, n), x, w32)
+        _quantized.cache_clear()  # big tensors: do not keep them around
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", [2, 3, 4, 5])
+def test_custom_asymmetric_codebook(bits: int, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(bits)
+    cb = torch.sort(torch.rand(2**bits, generator=g) * 1.25 - 0.25).values
+    cb[1] = cb[0]  # duplicates are allowed
+    cb[-1] = 1.0
+    n, k = 272, 640
+    qt, at, cb, w32 = _quantized(n, k, bits, codebook=tuple(cb.tolist()))
+    for m in [5, 16, 40, 64]:
+        x = _x(m, k, dtype, seed=m)
+        _check(_mma(x, qt, at, cb, bits, n), x, w32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_subnormal_and_zero_absmax(dtype: torch.dtype) -> None:
+    # absmax < 2^-10 (E4M4 subnormals) and all-zero blocks (absmax code 0)
+    n, k, bits = 128, 512, 4
+    qt, at, cb, w32 = _quantized(n, k, bits, seed=3, scale_exp=(-18.0, -13.0))
+    qt0, at0, _, _ = _quantized(n, k, bits, seed=3, scale_exp=(-60.0, -60.0))
+    assert int(at.max()) < 16 and int(at0.max()) == 0  # subnormal codes / all zero
+    for m in [8, 16]:
+        x = _x(m, k, dtype)
+        _check(_mma(x, qt, at, cb, bits, n), x, w32)
+        assert bool((_mma(x, qt0, at0, cb, bits, n) == 0).all())
+
+
+def test_strided_and_misaligned_x() -> None:
+    n, k, bits, m = 200, 384, 4, 24
+    qt, at, cb, w32 = _quantized(n, k, bits)
+    x = _x(m, k, torch.float16)
+    y = _mma(x, qt, at, cb, bits, n)
+    _check(y, x, w32)
+    wide = torch.zeros(m, k + 64, dtype=x.dtype, device="cuda")  # aligned row stride > K
+    wide[:, :k] = x
+    odd = torch.zeros(m, k + 3, dtype=x.dtype, device="cuda")  # stride not a multiple of 8
+    odd[:, :k] = x
+    shifted = torch.zeros(m, k + 1, dtype=x.dtype, device="cuda")  # rows not 16-byte aligned
+    shifted[:, 1:] = x
+    for view in [wide[:, :k], odd[:, :k], shifted[:, 1:]]:
+        assert view.stride(0) > k
+        assert torch.equal(_mma(view, qt, at, cb, bits, n), y)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [5, 16, 64])
+def test_split_k_paths(monkeypatch, m: int, dtype: torch.dtype) -> None:
+    # Forced split counts, cluster (sm_90) and workspace reductions: all correct, and the two
+    # reductions add the partials in the same order, so they agree bit for bit.
+    n, k, bits = 512, 4096, 3
+    qt, at, cb, w32 = _quantized(n, k, bits)
+    x = _x(m, k, dtype)
+    for splits in [1, 2, 3, 8]:
+        monkeypatch.setenv("KBIT_MMA_SPLITS", str(splits))
+        monkeypatch.delenv("KBIT_MMA_NO_CLUSTER", raising=False)
+        y = _mma(x, qt, at, cb, bits, n)
+        _check(y, x, w32)
+        assert torch.equal(_mma(x, qt, at, cb, bits, n), y)  # deterministic
+        monkeypatch.setenv("KBIT_MMA_NO_CLUSTER", "1")
+        assert torch.equal(_mma(x, qt, at, cb, bits, n), y)
+
+
+@pytest.mark.parametrize("no_cluster", ["0", "1"])
+@pytest.mark.parametrize("m", [16, 64])
+def test_cuda_graph_replay_equals_eager(monkeypatch, m: int, no_cluster: str) -> None:
+    monkeypatch.setenv("KBIT_MMA_NO_CLUSTER", no_cluster)  # split-K: cluster or workspace path
+    n, k, bits = 1024, 2048, 4
+    qt, at, cb, _ = _quantized(n, k, bits)
+    static_x = _x(m, k, torch.float16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up (config cache, workspace pool) off the capture
+        for _ in range(2):
+            _mma(static_x, qt, at, cb, bits, n)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = _mma(static_x, qt, at, cb, bits, n)
+    for seed in [5, 6, 7]:
+        x = _x(m, k, torch.float16, seed=seed)
+        static_x.copy_(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_y, _mma(x, qt, at, cb, bits, n))
+
+
+def test_bad_inputs() -> None:
+    n, k, bits = 64, 256, 4
+    qt, at, cb, _ = _quantized(n, k, bits)
+    x = _x(4, k, torch.float16)
+    errors = (RuntimeError, ValueError, TypeError)
+    with pytest.raises(errors, match="float16 or bfloat16"):
+        _mma(x.float(), qt, at, cb, bits, n)
+    with pytest.raises(errors, match="unit stride"):
+        _mma(_x(k, 4, torch.float16).t(), qt, at, cb, bits, n)
+    with pytest.raises(errors, match="2-D"):
+        _mma(x[0], qt, at, cb, bits, n)
+    with pytest.raises(errors, match="qweight"):
+        _mma(x, qt[:-1], at, cb, bits, n)
+    with pytest.raises(errors, match="qweight"):
+        _mma(x, qt, at, cb, bits, n + 16)  # n does not match the tensors
+    with pytest.raises(errors, match="weight_absmax"):
+        _mma(x, qt, at.to(torch.int32), cb, bits, n)
+    with pytest.raises(errors, match="codebook"):
+        _mma(x, qt, at, cb[:-1], bits, n)
+    with pytest.raises(errors, match="bits"):
+        _mma(x, qt, at, cb, 6, n)
+    with pytest.raises(errors, match="multiple of 32"):
+        _mma(_x(4, 100, torch.float16), qt, at, cb, bits, n)
+    with pytest.raises(errors, match="CUDA"):
+        _mma(x.cpu(), qt, at, cb, bits, n)
+
+
+def test_empty_m() -> None:
+    n, k, bits = 64, 256, 2
+    qt, at, cb, _ = _quantized(n, k, bits)
+    y = _mma(torch.empty(0, k, dtype=torch.bfloat16, device="cuda"), qt, at, cb, bits, n)
+    assert y.shape == (0, n) and y.dtype == torch.bfloat16
