@@ -15,13 +15,24 @@ namespace {
 
 enum class Path { kAuto, kGemv, kMma, kDequant };
 
-// Largest M each fused kernel serves, per bits (index bits - 2), from the H100 runs of
-// benchmarks/bench_linear.py (benchmarks/results/): gemv beats mma at every 8B shape up to
-// M=4 (one weight pass, no token-tile padding); mma beats dequantize+cuBLAS on every 8B
-// shape through M=64 (k=4 gate_up: 61 vs 202 us) and loses by M=256 (qkv: 79 vs 48 us),
-// where the fp16 GEMM turns compute-bound and the 16-bit copy of W costs little next to it.
-constexpr int64_t kGemvMaxM[4] = {4, 4, 4, 4};
-constexpr int64_t kMmaMaxM[4] = {128, 128, 128, 128};
+// Path choice from the H100 runs of benchmarks/bench_linear.py (benchmarks/results/
+// bench_linear_h100.md), the same for every k:
+// - gemv up to M=8: one weight pass, no token-tile padding; it wins 6-7 of the 8 Llama shapes
+//   at M=8 and loses the others by <= 3%.
+// - mma while the k-bit read saving beats dequantize + cuBLAS, whose fixed cost is one
+//   k-bit read plus one 16-bit write and read of W (~110 us for 8B gate_up). Small layers hit
+//   that crossover first (8B o_proj, 16.8M weights: M=64 dequant 24.8 vs mma 26.8 us) and
+//   K-heavy ones last (8B down_proj at M=256: mma 104.8 vs dequant 115.7 us).
+constexpr int64_t kGemvMaxM = 8;
+
+bool use_mma(int64_t m, int64_t n, int64_t k) {
+    const int64_t weights = n * k;
+    if (m <= 32) return true;
+    if (m <= 64) return weights >= (int64_t{20} << 20);
+    if (m <= 128) return weights >= (int64_t{32} << 20);
+    if (m <= 256) return k >= 8192 && n <= 8192;
+    return false;
+}
 
 // Read per call (not cached) so tests and benchmarks can switch paths in one process.
 Path forced_path() {
@@ -57,9 +68,7 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& qweight, const at::T
 
     Path path = forced_path();
     if (path == Path::kAuto) {
-        path = m <= kGemvMaxM[bits - 2] ? Path::kGemv
-             : m <= kMmaMaxM[bits - 2]  ? Path::kMma
-                                        : Path::kDequant;
+        path = m <= kGemvMaxM ? Path::kGemv : use_mma(m, n, k) ? Path::kMma : Path::kDequant;
     }
     switch (path) {
         case Path::kGemv: return gemv(x, qweight, absmax, codebook, bits, n);

@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -25,13 +27,21 @@ requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 requires_kernels = pytest.mark.skipif(not _has_kernels(), reason="needs the compiled vllm_kbit._C")
 
 
+# On the lent H100/H200 image (Ubuntu GCC 13.3, Python 3.12) any C++ exception thrown by an
+# extension built there segfaults the process -- tools/exc_diag.py reproduces it with a
+# five-line extension unrelated to this project. Tests that expect a CUDA op to raise are
+# marked cxx_errors; KBIT_SKIP_CXX_ERROR_TESTS=1 skips them on such a machine only.
+SKIP_CXX_ERRORS = os.environ.get("KBIT_SKIP_CXX_ERROR_TESTS", "0") == "1"
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if HAS_CUDA:
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip_cxx = pytest.mark.skip(reason="KBIT_SKIP_CXX_ERROR_TESTS=1: C++ exceptions crash here")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "gpu" in item.keywords and not HAS_CUDA:
+            item.add_marker(skip_gpu)
+        if "cxx_errors" in item.keywords and SKIP_CXX_ERRORS and HAS_CUDA:
+            item.add_marker(skip_cxx)
 
 
 @pytest.fixture

@@ -461,6 +461,7 @@ def _setup(kind: str, d: Path) -> list[str]:
     ("out_is_model", "--out must differ from --model"),
     ("out_not_empty", r"is not empty \(use --overwrite\)"),
 ])  # fmt: skip
+@pytest.mark.cxx_errors
 def test_malformed_input_gives_a_one_line_error(kind, match, tmp_path, capsys):
     d = tmp_path / "model"
     extra = _setup(kind, d)

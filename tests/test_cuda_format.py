@@ -311,6 +311,7 @@ def _raises(match: str):
     return pytest.raises((RuntimeError, ValueError, TypeError), match=match)
 
 
+@pytest.mark.cxx_errors
 def test_quantize_errors():
     cb3 = default_codebook(3).cuda()
     w = torch.randn(8, 128, device="cuda", dtype=torch.float16)
@@ -346,6 +347,7 @@ def test_quantize_errors():
     assert torch.equal(q.cpu(), ref.quantize(ok.cpu(), 3, cb3.cpu())[0])
 
 
+@pytest.mark.cxx_errors
 def test_dequantize_errors():
     cb = default_codebook(4).cuda()
     q, a = _random_checkpoint(16, 128, 4, "deq-errors")

@@ -175,6 +175,7 @@ def test_empty_batch() -> None:
         assert y.shape == (0, 40) and y.dtype == dtype
 
 
+@pytest.mark.cxx_errors
 def test_bad_inputs_name_the_problem() -> None:
     n, k, bits = 40, 256, 4
     qt, at, cb = _weights(n, k, bits)

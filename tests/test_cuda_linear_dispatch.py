@@ -168,6 +168,7 @@ def test_linear_strided_x(m, force):
     layer.check(xo, layer.linear(xo), f"misaligned M={m}")
 
 
+@pytest.mark.cxx_errors
 def test_linear_invalid_force(force):
     layer = _layer(17, 96, 2)
     force("cublas")
@@ -175,6 +176,7 @@ def test_linear_invalid_force(force):
         layer.linear(_x(2, layer.k, torch.float16, "bad-force"))
 
 
+@pytest.mark.cxx_errors
 def test_linear_errors(force):
     layer = _layer(17, 96, 2)
     with pytest.raises(RuntimeError, match="float16 or bfloat16"):

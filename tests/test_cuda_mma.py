@@ -208,6 +208,7 @@ def test_cuda_graph_replay_equals_eager(monkeypatch, m: int, no_cluster: str) ->
         assert torch.equal(static_y, _mma(x, qt, at, cb, bits, n))
 
 
+@pytest.mark.cxx_errors
 def test_bad_inputs() -> None:
     n, k, bits = 64, 256, 4
     qt, at, cb, _ = _quantized(n, k, bits)
