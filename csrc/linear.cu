@@ -25,6 +25,13 @@ enum class Path { kAuto, kGemv, kMma, kDequant };
 //   K-heavy ones last (8B down_proj at M=256: mma 104.8 vs dequant 115.7 us).
 constexpr int64_t kGemvMaxM = 8;
 
+// Above M=4 at k=5 the gemv's 128 KB pair table leaves too little shared memory to stage
+// x for very wide layers (70B gate_up, M=8: gemv 290 vs mma 169 us); mma serves those.
+bool use_gemv(int64_t m, int64_t n, int64_t bits) {
+    if (m <= 4) return true;
+    return m <= kGemvMaxM && !(bits == 5 && n >= 16384);
+}
+
 bool use_mma(int64_t m, int64_t n, int64_t k) {
     const int64_t weights = n * k;
     if (m <= 32) return true;
@@ -68,7 +75,7 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& qweight, const at::T
 
     Path path = forced_path();
     if (path == Path::kAuto) {
-        path = m <= kGemvMaxM ? Path::kGemv : use_mma(m, n, k) ? Path::kMma : Path::kDequant;
+        path = use_gemv(m, n, bits) ? Path::kGemv : use_mma(m, n, k) ? Path::kMma : Path::kDequant;
     }
     switch (path) {
         case Path::kGemv: return gemv(x, qweight, absmax, codebook, bits, n);
