@@ -7,7 +7,6 @@ from __future__ import annotations
 import copy
 import logging
 import pickle
-import socket
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ import torch
 pytest.importorskip("vllm")
 
 import vllm_kbit  # noqa: E402
+from vllm_cpu_env import vllm_cpu_env  # noqa: E402
 from vllm_kbit.format import KbitQuantConfig  # noqa: E402
 
 vllm_kbit.register()
@@ -25,22 +25,7 @@ from vllm_kbit.linear import KbitLinearMethod  # noqa: E402
 FUSED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 
 
-@pytest.fixture(scope="module")
-def vllm_env():
-    """vLLM's config context and distributed state for world size 1 on CPU (gloo)."""
-    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
-    from vllm.distributed import parallel_state as ps
-
-    cfg = VllmConfig(device_config=DeviceConfig(device="cpu"))
-    with set_current_vllm_config(cfg):
-        if not ps.model_parallel_is_initialized():
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            ps.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                            distributed_init_method=f"tcp://127.0.0.1:{port}")  # fmt: skip
-            ps.initialize_model_parallel(1, 1)
-        yield cfg
+vllm_env = pytest.fixture(scope="module")(vllm_cpu_env)
 
 
 def prequantized(**kw) -> KbitConfig:

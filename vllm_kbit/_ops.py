@@ -47,13 +47,7 @@ def _define() -> None:
     for schema in _SCHEMAS.values():
         _lib.define(schema)
 
-    # ---- CPU: the reference implementation
-    _lib.impl("quantize", _quantize_ref, "CPU")
-    _lib.impl("dequantize", ref.dequantize, "CPU")
-    _lib.impl("repack", ref.repack, "CPU")
-    _lib.impl("dequantize_tiled", ref.dequantize_tiled, "CPU")
-    for name in _MATMUL_OPS:
-        _lib.impl(name, _linear_ref, "CPU")
+    _register_reference("CPU")
 
     # ---- fakes: shapes and dtypes only (torch.compile / CUDA-graph tracing)
     torch.library.register_fake("kbit::quantize", _quantize_fake, lib=_lib)
@@ -62,6 +56,17 @@ def _define() -> None:
     torch.library.register_fake("kbit::dequantize_tiled", _dequantize_tiled_fake, lib=_lib)
     for name in _MATMUL_OPS:
         torch.library.register_fake(f"kbit::{name}", _linear_fake, lib=_lib)
+
+
+def _register_reference(dispatch_key: str) -> None:
+    """The pure-PyTorch reference as the implementation of every op for ``dispatch_key``."""
+    assert _lib is not None
+    _lib.impl("quantize", _quantize_ref, dispatch_key)
+    _lib.impl("dequantize", ref.dequantize, dispatch_key)
+    _lib.impl("repack", ref.repack, dispatch_key)
+    _lib.impl("dequantize_tiled", ref.dequantize_tiled, dispatch_key)
+    for name in _MATMUL_OPS:
+        _lib.impl(name, _linear_ref, dispatch_key)
 
 
 def _quantize_ref(weight: torch.Tensor, codebook: torch.Tensor, bits: int):
@@ -128,13 +133,7 @@ def _load_cuda() -> None:
             raise ImportError("vllm_kbit._C is not built (KBIT_REQUIRE_CUDA_EXT=1)") from e
         logger.warning("vllm_kbit._C is not built (%s); CUDA tensors use the slow PyTorch "
                        "reference. Reinstall with nvcc available to get the kernels.", e)  # fmt: skip
-    assert _lib is not None
-    _lib.impl("quantize", _quantize_ref, "CUDA")
-    _lib.impl("dequantize", ref.dequantize, "CUDA")
-    _lib.impl("repack", ref.repack, "CUDA")
-    _lib.impl("dequantize_tiled", ref.dequantize_tiled, "CUDA")
-    for name in _MATMUL_OPS:
-        _lib.impl(name, _linear_ref, "CUDA")
+    _register_reference("CUDA")
     _cuda_backend = "reference"
 
 
