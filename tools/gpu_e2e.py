@@ -508,8 +508,10 @@ def _post(url: str, body: dict, timeout: float = 60) -> dict:
 def check_serve(ctx) -> bool:
     p = paths(Path(ctx.work))
     log = Path(ctx.logs) / "serve.log"
-    vllm_bin = shutil.which("vllm")
-    base = [vllm_bin] if vllm_bin else [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+    # `python -m`, not a `vllm` console script: vLLM 0.26 starts the engine core with spawn,
+    # which re-runs the parent's main file, and a console script without a __main__ guard
+    # (the staged GPU machine's /opt/vsite/bin/vllm) then starts a second server and dies.
+    base = [sys.executable, "-m", "vllm.entrypoints.cli.main"]
     port = ctx.port
     cmd = base + ["serve", str(p["kbit"]), "--host", "127.0.0.1", "--port", str(port),
                   "--enforce-eager", "--max-model-len", "512", "--max-num-seqs", "16",
