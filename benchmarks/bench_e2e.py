@@ -16,6 +16,7 @@ import datetime
 import json
 import os
 import platform
+import select
 import statistics
 import subprocess
 import sys
@@ -45,7 +46,6 @@ def model_dir(config: str | None, work: Path) -> Path:
 
 def worker(args: argparse.Namespace) -> None:
     """Runs inside the subprocess: one method, all batch sizes; prints one JSON line each."""
-    import torch
     from vllm import LLM, SamplingParams
 
     kw = dict(model=args.model, load_format="dummy", skip_tokenizer_init=True, seed=0,
@@ -59,8 +59,7 @@ def worker(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     llm = LLM(**kw)
     load_s = time.perf_counter() - t0
-    print(json.dumps({"event": "loaded", "method": args.method, "load_s": load_s,
-                      "gpu_mem_gib": torch.cuda.memory_allocated() / 2**30}), flush=True)  # fmt: skip
+    print(json.dumps({"event": "loaded", "method": args.method, "load_s": load_s}), flush=True)
     sp = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     vocab = 1000
     for b in args.batch:
@@ -197,21 +196,29 @@ def main(argv: list[str] | None = None) -> None:
         t0 = time.time()
         log = out / f"bench_e2e{args.tag}_{m}.log"
         with open(log, "w") as f:
-            proc = subprocess.Popen(
-                cmd, stdout=subprocess.PIPE, stderr=f, text=True, start_new_session=True
-            )
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=f, text=True, start_new_session=True)
             try:
-                for line in proc.stdout:  # type: ignore[union-attr]
-                    if line.startswith("{"):
-                        ev = json.loads(line)
-                        print(f"[{m}] {ev}", flush=True)
-                        if ev["event"] == "result":
-                            res["results"].append(ev)
-                            res["failed"].pop(m, None)
-                            stem.with_suffix(".json").write_text(json.dumps(res, indent=1))
+                # vLLM's engine process inherits the pipe and can outlive the worker: never wait
+                # for EOF; poll, and stop once the worker has exited and its lines are read.
+                os.set_blocking(proc.stdout.fileno(), False)  # type: ignore[union-attr]
+                buf = ""
+                while True:
+                    ready, _, _ = select.select([proc.stdout], [], [], 1.0)
+                    chunk = proc.stdout.read() if ready else ""  # type: ignore[union-attr]
+                    buf += chunk or ""
+                    *lines, buf = buf.split("\n")
+                    for line in lines:
+                        if line.startswith("{"):
+                            ev = json.loads(line)
+                            print(f"[{m}] {ev}", flush=True)
+                            if ev["event"] == "result":
+                                res["results"].append(ev)
+                                res["failed"].pop(m, None)
+                                stem.with_suffix(".json").write_text(json.dumps(res, indent=1))
+                    if proc.poll() is not None and not chunk:
+                        break
                     if time.time() - t0 > args.timeout:
                         raise TimeoutError(f"over {args.timeout} s")
-                proc.wait(timeout=60)
             except Exception as e:
                 res["failed"][m] = f"{type(e).__name__}: {e}"
             finally:
@@ -219,6 +226,7 @@ def main(argv: list[str] | None = None) -> None:
                     os.killpg(proc.pid, 9)
                 except ProcessLookupError:
                     pass
+                time.sleep(3)  # let the killed engine release GPU memory
         if not any(r["method"] == m for r in res["results"]):
             res["failed"].setdefault(m, f"no result; see {log.name}")
         stem.with_suffix(".json").write_text(json.dumps(res, indent=1))
