@@ -46,14 +46,7 @@ TINY = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
             max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=10000.0,
             tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
             initializer_range=0.02, hidden_act="silu")  # fmt: skip
-LLAMA_8B = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
-    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
-    "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "hidden_act": "silu",
-    "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 128000,
-    "eos_token_id": 128001,
-}  # fmt: skip
+from benchmarks.bench_e2e import LLAMA_8B  # noqa: E402  (one definition of the 8B shape)
 SPECIAL = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
 WORDS = ("hello world the a an of to and in is it you that he was for on are with as I his they "
          "be at one have this from or had by hot word but what some we can out other were all "
