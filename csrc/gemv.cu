@@ -104,22 +104,6 @@ struct Cvt<__nv_bfloat16> {
     static __device__ __forceinline__ __nv_bfloat16 out(float v) { return __float2bfloat16_rn(v); }
 };
 
-// d += A * B, m16n8k16, fp32 accumulators.
-template <typename T>
-__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                          uint32_t b1) {
-    if constexpr (std::is_same_v<T, __half>) {
-        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-            "{%8,%9}, {%0,%1,%2,%3};"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    } else {
-        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-            "{%8,%9}, {%0,%1,%2,%3};"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-}
 
 // Weights are read exactly once: keep them out of L1.
 __device__ __forceinline__ uint2 ld_stream_v2(const uint2* p) {
@@ -290,8 +274,8 @@ __device__ __forceinline__ void tile_mma(const Tile<kBits>& tl, const uint8_t* t
             // x pairs (cols 2t + 8i) of this block, i = 0..3, staged contiguously per lane.
             const uint4 xv = *reinterpret_cast<const uint4*>(xs + (2 * w + bb) * 64);
             float d[4] = {0.f, 0.f, 0.f, 0.f};
-            mma_16816<T>(d, a[0], xv.x, xv.y);
-            mma_16816<T>(d, a[1], xv.z, xv.w);
+            mma_m16n8k16<std::is_same_v<T, __nv_bfloat16>>(d, a[0], xv.x, xv.y);
+            mma_m16n8k16<std::is_same_v<T, __nv_bfloat16>>(d, a[1], xv.z, xv.w);
             const float s0 = absmax_div16(sc[0][bb], w), s1 = absmax_div16(sc[1][bb], w);
             acc[0] = fmaf(d[0], s0, acc[0]);
             acc[1] = fmaf(d[1], s0, acc[1]);

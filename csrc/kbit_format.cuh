@@ -34,6 +34,24 @@ __host__ __device__ constexpr int tile_col(int t, int e) {
     return 2 * t + (e & 1) + 8 * (e >> 1);
 }
 
+// d += A * B with mma.sync m16n8k16, fp16 or bf16 operands, fp32 accumulators. A holds 16
+// weight rows (the tile layout's fragment), B 8 tokens. Shared by gemv.cu and mma.cu.
+template <bool BF16>
+__device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                             uint32_t b1) {
+    if constexpr (BF16) {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+            "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    } else {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+            "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+}
+
 // Sizes of the runtime layout of W[n, k].
 struct TiledShape {
     int64_t n, k, np, kp, n_tiles, k_tiles, words, absmax_bytes;

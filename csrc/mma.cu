@@ -108,22 +108,6 @@ __device__ __forceinline__ void ldsm_x2(uint32_t (&r)[2], uint32_t addr) {
                  : "r"(addr));
 }
 
-template <bool BF16>
-__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1) {
-    if constexpr (BF16) {
-        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-            "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    } else {
-        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
-            "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-}
-
 // Codebook entries are stored pre-multiplied by 2^S so that the absmax can be built from its
 // E4M4 bits with one shift (below): fp16 S = 4, bf16 S = 116 (exact power-of-two scalings).
 template <bool BF16>
@@ -262,7 +246,8 @@ __device__ __forceinline__ void tile_step(float (&acc)[kNT][TM / 8][4], const ui
                     uint32_t b[2];
                     ldsm_x2(b, x_lane + kk * 32);
 #pragma unroll
-                    for (int i = 0; i < kNT; ++i) mma16816<BF16>(acc[i][0], a[i], b[0], b[1]);
+                    for (int i = 0; i < kNT; ++i)
+                        mma_m16n8k16<BF16>(acc[i][0], a[i], b[0], b[1]);
                 } else {
 #pragma unroll
                     for (int f = 0; f < TM / 16; ++f) {  // tokens 16f .. 16f + 15: 2 B fragments
@@ -270,8 +255,8 @@ __device__ __forceinline__ void tile_step(float (&acc)[kNT][TM / 8][4], const ui
                         ldsm_x4(b, x_lane + f * 16 * kXRow + kk * 32);
 #pragma unroll
                         for (int i = 0; i < kNT; ++i) {
-                            mma16816<BF16>(acc[i][2 * f], a[i], b[0], b[1]);
-                            mma16816<BF16>(acc[i][2 * f + 1], a[i], b[2], b[3]);
+                            mma_m16n8k16<BF16>(acc[i][2 * f], a[i], b[0], b[1]);
+                            mma_m16n8k16<BF16>(acc[i][2 * f + 1], a[i], b[2], b[3]);
                         }
                     }
                 }
