@@ -12,7 +12,8 @@
 //  * Dequantization, per lane and 2 adjacent columns (= one A register): the k bit planes are
 //    transposed in registers (shift/lop3 on 32-bit words) so that the 2k bits of a column pair
 //    sit in one byte (k=5: 10 bits), then ONE shared-memory load from a half2 pair table
-//    T[idx] = (cb[lo], cb[hi]) gives both values, and one HMUL2 applies the block's absmax.
+//    T[idx] = (16 cb[lo], 16 cb[hi]) gives both values. The MMAs of one 32-column block sum
+//    from zero; the block's absmax / 16 then scales that partial sum in fp32 (one rounding).
 //    T is replicated `copies` times (entry i of lane l at word i*copies + l % copies) so that
 //    the 32 random lookups of a warp hit 32 different banks.
 //  * Split-K over CTAs when n-tiles x token tiles do not fill the GPU (<= 8 splits). sm_90: the
@@ -108,40 +109,20 @@ __device__ __forceinline__ void ldsm_x2(uint32_t (&r)[2], uint32_t addr) {
                  : "r"(addr));
 }
 
-// Codebook entries are stored pre-multiplied by 2^S so that the absmax can be built from its
-// E4M4 bits with one shift (below): fp16 S = 4, bf16 S = 116 (exact power-of-two scalings).
+// Codebook entries are stored as cb * 16 (an exact power-of-two scaling) in the table, and the
+// absmax is applied in fp32 to each 32-column block's partial sums, so every weight is rounded
+// exactly once (cb to fp16/bf16); scaling the fragment with HMUL2 instead rounded a second time
+// and doubled the weight error. E4M4 (bias 11, IEEE-style subnormals) is an fp16 (bias 15)
+// number with the low mantissa bits zero: code c << 6 as fp16 bits = absmax / 16, exactly.
 template <bool BF16>
 __device__ __forceinline__ uint16_t scaled_code(float v) {
-    if constexpr (BF16) return __bfloat16_as_ushort(__float2bfloat16_rn(v * 0x1p116f));
+    if constexpr (BF16) return __bfloat16_as_ushort(__float2bfloat16_rn(v * 16.0f));
     else return __half_as_ushort(__float2half_rn(v * 16.0f));
 }
 
-// E4M4 (bias 11, IEEE-style subnormals) is an fp16 (bias 15) or bf16 (bias 127) number with the
-// low mantissa bits zero: code c << 6 as fp16 bits = absmax / 16, c << 3 as bf16 = absmax / 2^116,
-// subnormals included. From a row's 4 absmax bytes [c0 c1 c2 c3], returns the half2 pairs
-// (c0, c2) (sel = 0) or (c1, c3) (sel = 1): 2 integer ops per 2 scales.
-template <bool BF16>
-__device__ __forceinline__ uint32_t absmax_pair(uint32_t a, int sel) {
-    if constexpr (BF16) return (sel ? a >> 5 : a << 3) & 0x07F807F8u;
-    else return (sel ? a >> 2 : a << 6) & 0x3FC03FC0u;
-}
-
-// v * broadcast(half `hi` of s): one HMUL2 whose second operand selects .H0_H0 / .H1_H1.
-template <bool BF16>
-__device__ __forceinline__ uint32_t mul_scale(uint32_t v, uint32_t s, bool hi) {
-    uint32_t r;
-    if constexpr (BF16) {
-        const __nv_bfloat162 sv = *reinterpret_cast<const __nv_bfloat162*>(&s);
-        const __nv_bfloat162 p = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&v),
-                                         hi ? __high2bfloat162(sv) : __low2bfloat162(sv));
-        r = *reinterpret_cast<const uint32_t*>(&p);
-    } else {
-        const __half2 sv = *reinterpret_cast<const __half2*>(&s);
-        const __half2 p = __hmul2(*reinterpret_cast<const __half2*>(&v),
-                                  hi ? __high2half2(sv) : __low2half2(sv));
-        r = *reinterpret_cast<const uint32_t*>(&p);
-    }
-    return r;
+// absmax / 16 of block b of a row, from the row's 4 absmax bytes (2 integer ops + 1 convert).
+__device__ __forceinline__ float absmax16(uint32_t a, int b) {
+    return __half2float(__ushort_as_half(static_cast<uint16_t>(((a >> (8 * b)) & 0xFFu) << 6)));
 }
 
 // Index words of one lane and one 32-bit word of a tile (2 blocks x 2 row halves = 4 bytes q,
@@ -193,7 +174,9 @@ __device__ __forceinline__ uint32_t even_bits(uint32_t x) {  // bits 0,2,4,6,8 -
     return (x | (x >> 4)) & 0x1Fu;
 }
 
-// One k-tile of one warp: 2 n-tiles x 8 k16 steps x TM/8 token fragments.
+// One k-tile of one warp: 2 n-tiles x 8 k16 steps x TM/8 token fragments. Per 32-column block
+// the MMAs sum from zero into `part`, which is then added to `acc` times the block's absmax in
+// fp32 (TM/2 FFMA per tile and block; HMUL2 on the A fragments cost 8 but rounded twice).
 template <int BITS, int TM, bool BF16>
 __device__ __forceinline__ void tile_step(float (&acc)[kNT][TM / 8][4], const uint8_t* smem,
                                           int stage, int warp, int lane, uint32_t tbl_lane,
@@ -201,7 +184,7 @@ __device__ __forceinline__ void tile_step(float (&acc)[kNT][TM / 8][4], const ui
     using L = Layout<BITS, TM>;
     const uint8_t* st = smem + stage;
     uint2 planes[kNT][BITS];  // this lane's 8 bytes of each plane: one coalesced 8-byte load
-    uint32_t sc[kNT][2][2];   // [tile][row half h][blocks (0,2) | (1,3)] absmax half2 pairs
+    uint32_t am[kNT][2];      // [tile][row half h]: the 4 absmax bytes of row g + 8h
 #pragma unroll
     for (int i = 0; i < kNT; ++i) {
         const int tile = warp * kNT + i;
@@ -209,14 +192,13 @@ __device__ __forceinline__ void tile_step(float (&acc)[kNT][TM / 8][4], const ui
         for (int j = 0; j < BITS; ++j)
             planes[i][j] = *reinterpret_cast<const uint2*>(st + (tile * BITS + j) * 256 + lane * 8);
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {  // rows g and g + 8: 4 bytes each (quad broadcast)
-            const uint8_t* rows = st + L::kW + tile * 64 + h * 32;
-            const uint32_t a = *reinterpret_cast<const uint32_t*>(rows + (lane >> 2) * 4);
-            sc[i][h][0] = absmax_pair<BF16>(a, 0);
-            sc[i][h][1] = absmax_pair<BF16>(a, 1);
-        }
+        for (int h = 0; h < 2; ++h)  // rows g and g + 8: 4 bytes each (quad broadcast)
+            am[i][h] = *reinterpret_cast<const uint32_t*>(st + L::kW + tile * 64 + h * 32 +
+                                                          (lane >> 2) * 4);
     }
-#pragma unroll
+    // Not unrolled: one plane word's lookups in flight at a time keeps the registers of TM = 32
+    // (2 CTAs/SM: 128) and TM = 64 below the spill limit.
+#pragma unroll 1
     for (int w = 0; w < 2; ++w) {  // plane word w = blocks 2w, 2w + 1
         uint32_t iw[kNT][5];
 #pragma unroll
@@ -228,38 +210,59 @@ __device__ __forceinline__ void tile_step(float (&acc)[kNT][TM / 8][4], const ui
         }
 #pragma unroll
         for (int b2 = 0; b2 < 2; ++b2) {  // block 2w + b2 = bytes q = 2 b2 + h
+            // A registers of both k16 steps of the block: {row g, row g+8} x {cols 2t.., 2t+8..}
+            uint32_t a[2][kNT][4];
 #pragma unroll
-            for (int s = 0; s < 2; ++s) {  // k16 step kk: columns 16 kk .. 16 kk + 15 of the tile
-                const int kk = 4 * w + 2 * b2 + s;
-                uint32_t a[kNT][4];  // A registers: {row g, row g+8} x {cols 2t.., cols 2t+8..}
+            for (int s = 0; s < 2; ++s)
 #pragma unroll
-                for (int i = 0; i < kNT; ++i) {
+                for (int i = 0; i < kNT; ++i)
 #pragma unroll
                     for (int r = 0; r < 4; ++r) {
                         const int p = 2 * s + (r >> 1), h = r & 1;
-                        const uint32_t v =
-                            lds32(pair_addr<BITS>(iw[i], p, 2 * b2 + h, tbl_lane, stride));
-                        a[i][r] = mul_scale<BF16>(v, sc[i][h][b2], w);
+                        a[s][i][r] = lds32(pair_addr<BITS>(iw[i], p, 2 * b2 + h, tbl_lane, stride));
                     }
-                }
-                if constexpr (TM == 8) {
-                    uint32_t b[2];
-                    ldsm_x2(b, x_lane + kk * 32);
+            float sc[kNT][2];  // absmax / 16 of rows g (c0, c1) and g + 8 (c2, c3) in this block
+#pragma unroll
+            for (int i = 0; i < kNT; ++i)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) sc[i][h] = absmax16(am[i][h], 2 * w + b2);
+            // Token fragments in groups of FG (one ldmatrix x2 / x4): the partial sums live only
+            // for one group, which bounds the registers of TM = 64.
+            constexpr int FG = TM == 8 ? 1 : 2;
+#pragma unroll
+            for (int f0 = 0; f0 < TM / 8; f0 += FG) {
+                float part[kNT][FG][4];
+#pragma unroll
+                for (int s = 0; s < 2; ++s) {
+                    const int kk = 4 * w + 2 * b2 + s;
+                    uint32_t bf[2 * FG];
+                    if constexpr (FG == 1) {  // tokens 8 f0 .. 8 f0 + 7 (lanes 0-15 address)
+                        ldsm_x2(*reinterpret_cast<uint32_t(*)[2]>(bf),
+                                x_lane + f0 * 8 * kXRow + kk * 32);
+                    } else {  // tokens 8 f0 .. 8 f0 + 15
+                        ldsm_x4(*reinterpret_cast<uint32_t(*)[4]>(bf),
+                                x_lane + f0 / 2 * 16 * kXRow + kk * 32);
+                    }
 #pragma unroll
                     for (int i = 0; i < kNT; ++i)
-                        mma_m16n8k16<BF16>(acc[i][0], a[i], b[0], b[1]);
-                } else {
 #pragma unroll
-                    for (int f = 0; f < TM / 16; ++f) {  // tokens 16f .. 16f + 15: 2 B fragments
-                        uint32_t b[4];
-                        ldsm_x4(b, x_lane + f * 16 * kXRow + kk * 32);
-#pragma unroll
-                        for (int i = 0; i < kNT; ++i) {
-                            mma_m16n8k16<BF16>(acc[i][2 * f], a[i], b[0], b[1]);
-                            mma_m16n8k16<BF16>(acc[i][2 * f + 1], a[i], b[2], b[3]);
+                        for (int ff = 0; ff < FG; ++ff) {
+                            if (s == 0)
+                                mma_m16n8k16_zero<BF16>(part[i][ff], a[s][i], bf[2 * ff],
+                                                        bf[2 * ff + 1]);
+                            else
+                                mma_m16n8k16<BF16>(part[i][ff], a[s][i], bf[2 * ff],
+                                                   bf[2 * ff + 1]);
                         }
-                    }
                 }
+#pragma unroll
+                for (int i = 0; i < kNT; ++i)
+#pragma unroll
+                    for (int ff = 0; ff < FG; ++ff)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e)
+                            acc[i][f0 + ff][e] =
+                                fmaf(part[i][ff][e], sc[i][e >> 1], acc[i][f0 + ff][e]);
             }
         }
     }
@@ -332,9 +335,10 @@ __device__ __forceinline__ float4 ld_dsmem(uint32_t local_addr, uint32_t rank) {
 
 // ------------------------------------------------------------------------------ kernels
 
-// Grid (n-tile groups, splits, token tiles). 2 CTAs/SM where shared memory allows (TM <= 32).
+// Grid (n-tile groups, splits, token tiles). 2 CTAs/SM where shared memory allows (TM <= 16;
+// TM = 32 needs ~140 registers with the per-block fp32 partial sums: 128 would spill).
 template <int BITS, int TM, bool BF16>
-__global__ void __launch_bounds__(kThreads, TM <= 32 ? 2 : 1) mma_kernel(const Params p) {
+__global__ void __launch_bounds__(kThreads, TM <= 16 ? 2 : 1) mma_kernel(const Params p) {
     using L = Layout<BITS, TM>;
     extern __shared__ __align__(16) uint8_t smem[];
     __shared__ uint16_t cbh[32];
@@ -528,7 +532,7 @@ Choice pick_config(int dev) {
     Choice c;
     for (int min_stages = 3; min_stages >= 2 && !c.stages; --min_stages)
         for (int lc = BITS == 2 ? 0 : 5; lc >= 0 && !c.stages; --lc)
-            for (int ctas = TM <= 32 ? 2 : 1; ctas >= 1 && !c.stages; --ctas) {
+            for (int ctas = TM <= 16 ? 2 : 1; ctas >= 1 && !c.stages; --ctas) {
                 const int budget = std::min(optin, per_sm / ctas - reserved) - 128;  // - static
                 const int table = 4 << (2 * BITS + lc);
                 const int stages = std::min(kMaxStages, (budget - table - 64) / L::kStage);
