@@ -7,6 +7,12 @@ Each method runs in its own subprocess (fresh GPU memory); results are appended 
 file as they finish, and finished (method, batch) pairs are skipped when re-run.
 
     python benchmarks/bench_e2e.py --methods fp16,kbit4 --batch 1,64 --out-dir benchmarks/results
+    # MoE, Qwen3-30B-A3B shape (48 layers, 128 experts, top-8): bf16 vs online kbit4
+    python benchmarks/bench_e2e.py --shape qwen3-30b-a3b --dtype bfloat16 --methods bf16,kbit4
+        --batch 1,16,64 --tag _qwen3_30b_a3b        (one command line)
+
+A method is ``kbitK`` (online k-bit) or anything else (the unquantized model in ``--dtype``);
+the first unquantized method is the baseline of the table.
 """
 
 from __future__ import annotations
@@ -32,13 +38,25 @@ LLAMA_8B = {
     "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 128000,
     "eos_token_id": 128001,
 }  # fmt: skip
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+    "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
+    "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+    "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
+    "mlp_only_layers": [], "vocab_size": 151936, "hidden_act": "silu",
+    "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+    "attention_bias": False, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "bos_token_id": 151643, "eos_token_id": 151645,
+}  # fmt: skip
+SHAPES = {"llama-8b": (LLAMA_8B, "Llama-3.1-8B shape"),
+          "qwen3-30b-a3b": (QWEN3_30B_A3B, "Qwen3-30B-A3B shape (MoE, 128 experts top-8)")}
 
 
-def model_dir(config: str | None, work: Path) -> Path:
+def model_dir(config: str | None, work: Path, shape: str = "llama-8b") -> Path:
     """A directory holding only config.json (dummy weights need nothing else)."""
     d = work / "model"
     d.mkdir(parents=True, exist_ok=True)
-    cfg = json.loads(Path(config).read_text()) if config else LLAMA_8B
+    cfg = json.loads(Path(config).read_text()) if config else dict(SHAPES[shape][0])
     cfg.pop("quantization_config", None)
     (d / "config.json").write_text(json.dumps(cfg, indent=1))
     return d
@@ -138,7 +156,9 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--config", help="config.json to use (default: Llama-3.1-8B shape)")
+    p.add_argument("--config", help="config.json to use (overrides --shape)")
+    p.add_argument("--shape", default="llama-8b", choices=sorted(SHAPES),
+                   help="built-in model shape (default: llama-8b)")  # fmt: skip
     p.add_argument("--methods", default="fp16,kbit2,kbit3,kbit4,kbit5")
     p.add_argument("--batch", default="1,64")
     p.add_argument("--input-len", type=int, default=128)
@@ -174,10 +194,11 @@ def main(argv: list[str] | None = None) -> None:
                              "command": " ".join([Path(sys.argv[0]).name] + (argv or sys.argv[1:])),
                              "input_len": args.input_len, "output_len": args.output_len,
                              "repeats": args.repeats, "dtype": args.dtype,
-                             "model_desc": args.config or "Llama-3.1-8B shape"}  # fmt: skip
-        res = {"meta": meta, "methods": [], "baseline": "fp16", "results": [], "failed": {}}
+                             "model_desc": args.config or SHAPES[args.shape][1]}  # fmt: skip
+        baseline = next((m for m in methods if not m.startswith("kbit")), "fp16")
+        res = {"meta": meta, "methods": [], "baseline": baseline, "results": [], "failed": {}}
     res["methods"] = list(dict.fromkeys(res["methods"] + methods))
-    mdir = model_dir(args.config, Path("/tmp/kbit-e2e"))
+    mdir = model_dir(args.config, Path("/tmp/kbit-e2e"), args.shape)
     for m in methods:
         todo = [
             b

@@ -343,6 +343,7 @@ def test_quantize_lm_head_without_lm_head_warns(tmp_path, capsys):
     (False, ["--skip", "up_proj"]),
     (False, ["--module-bits", "k_proj|v_proj=2"]),
     (True, ["--module-bits", r"experts\.1\.=2"]),
+    (True, ["--module-bits", "down_proj=5"]),  # one kbit::moe call: one k per MoE layer
     (True, ["--skip", r"experts\.0\."]),
     (True, ["--skip", r"layers\.0\.mlp\.experts\.\d+\.down_proj"]),
 ])  # fmt: skip

@@ -104,6 +104,27 @@ def test_register_does_not_initialise_cuda() -> None:
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
 
 
+def test_cuda_reference_fills_ops_missing_from_the_extension() -> None:
+    """An _C that registers CUDA kernels for some ops only (e.g. built before kbit::moe
+    existed): the others get the reference as their CUDA implementation, with a warning."""
+    code = (
+        "import sys, types, torch\n"
+        "fake = types.ModuleType('vllm_kbit._C')\n"
+        "fake.lib = torch.library.Library('kbit', 'IMPL')\n"
+        "for op in ('quantize', 'dequantize', 'repack', 'dequantize_tiled', 'gemv', 'mma',\n"
+        "           'linear'):\n"
+        "    fake.lib.impl(op, lambda *a: None, 'CUDA')\n"
+        "sys.modules['vllm_kbit._C'] = fake\n"
+        "from vllm_kbit import _ops\n"
+        "assert _ops.load() == 'compiled' and _ops._cuda_reference_ops == ['moe']\n"
+        "assert torch._C._dispatch_has_kernel_for_dispatch_key('kbit::moe', 'CUDA')\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
+    assert "no CUDA kernel for kbit::moe" in out.stderr
+
+
 def test_entry_point_registered() -> None:
     try:
         eps = importlib.metadata.entry_points(group="vllm.general_plugins")

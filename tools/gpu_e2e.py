@@ -12,6 +12,13 @@ Checks (each prints exactly one line ``E2E <name> PASS|FAIL <details>``):
   compiled_graphs    kbit4 checkpoint with torch.compile + CUDA graphs vs the eager run
   dummy_online       Llama-3.1-8B-shaped config.json, load_format=dummy, online kbit4: memory
   serve_openai       `vllm serve` of the kbit4 checkpoint (+ tiny tokenizer), both OpenAI APIs
+  moe_qwen3          Qwen3-30B-A3B-shaped MoE (128 experts, top-8, hidden 2048, moe_intermediate
+                     768; 2 layers, vocab 32000), random fp16 weights: kbit4 checkpoint vs its
+                     dequantized twin (greedy), and online kbit4 vs the kbit4 checkpoint
+  moe_mixtral        the same for a small Mixtral shape (8 experts, top-2, hidden 1024, 4 layers)
+  moe_compiled       moe_qwen3's kbit4 checkpoint with torch.compile + CUDA graphs vs its eager run
+                     (needs the CUDA kbit::moe kernel: the reference fallback syncs with the host)
+The MoE checks are not in the default list (time): name them, e.g. `check moe_qwen3`.
 
 Every LLM runs in its own process group with a timeout (``worker`` subcommand); its log goes
 to --logs, its results to a JSON file in --work. Near-tie rule (used by the greedy checks):
@@ -46,7 +53,7 @@ TINY = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
             max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=10000.0,
             tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
             initializer_range=0.02, hidden_act="silu")  # fmt: skip
-from benchmarks.bench_e2e import LLAMA_8B  # noqa: E402  (one definition of the 8B shape)
+from benchmarks.bench_e2e import LLAMA_8B, QWEN3_30B_A3B  # noqa: E402  (one definition each)
 SPECIAL = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
 WORDS = ("hello world the a an of to and in is it you that he was for on are with as I his they "
          "be at one have this from or had by hot word but what some we can out other were all "
@@ -69,6 +76,7 @@ N_GREEDY, GREEDY_TOKENS = 8, 32
 N_FIRST = 64  # prompts of the first-token comparison (online_k5_vs_fp16)
 TIE_TOL = 0.03  # nats; see module docstring
 LOGPROB_TOL = 0.05  # nats; first-step top-1 logprob, kbit vs dequantized twin
+MOE_LOGPROB_TOL = 0.1  # the twin's MoE is vLLM's fp16 fused_experts (other rounding points)
 
 
 def paths(work: Path) -> dict[str, Path]:
@@ -127,13 +135,22 @@ def convert_kbit(src: Path, dst: Path, bits: int = BITS) -> dict:
 
 def build_dequant_twin(kbit_dir: Path, out: Path) -> int:
     """fp16 checkpoint computing the same function as ``kbit_dir``: every qweight/weight_absmax
-    pair replaced by ``reference.dequantize`` (fp32 math, rounded to fp16). Returns #replaced."""
+    pair replaced by ``reference.dequantize`` (fp32 math, rounded to fp16; on a GPU the
+    dequantize kernel, which tests/test_cuda_format.py checks bit for bit against it).
+    Returns #replaced."""
     import torch
     from safetensors import safe_open
     from safetensors.torch import save_file
 
+    from vllm_kbit import _ops
     from vllm_kbit import reference as ref
     from vllm_kbit.format import KbitQuantConfig
+
+    def dequantize(q, a, cb, k):
+        if not torch.cuda.is_available():
+            return ref.dequantize(q, a, cb, k, dtype=torch.float16)
+        _ops.load()
+        return torch.ops.kbit.dequantize(q.cuda(), a.cuda(), cb.cuda(), k, torch.float16).cpu()
 
     cfg = json.loads((kbit_dir / "config.json").read_text())
     qcfg = KbitQuantConfig.from_dict(cfg["quantization_config"])
@@ -152,8 +169,7 @@ def build_dequant_twin(kbit_dir: Path, out: Path) -> int:
                     mod = key[: -len(".qweight")]
                     q, a = sf.get_tensor(key), sf.get_tensor(mod + ".weight_absmax")
                     k = q.shape[1] // a.shape[1]
-                    tensors[mod + ".weight"] = ref.dequantize(q, a, qcfg.codebook(k), k,
-                                                              dtype=torch.float16)  # fmt: skip
+                    tensors[mod + ".weight"] = dequantize(q, a, qcfg.codebook(k), k)
                     replaced += 1
                 else:
                     tensors[key] = sf.get_tensor(key)
@@ -196,6 +212,103 @@ def build_all(work: Path, force: bool = False) -> dict[str, Path]:
     marker.write_text("ok\n")
     print(f"built {', '.join(str(v) for v in p.values())} in {time.time() - t0:.1f} s "
           f"({n} quantized tensors, {tot['original_gb']} -> {tot['new_gb']} GB)")  # fmt: skip
+    return p
+
+
+# ------------------------------------------------------------------ the MoE models
+
+_VOCAB = {"vocab_size": TINY["vocab_size"], "max_position_embeddings": 2048, "bos_token_id": 1,
+          "eos_token_id": 2, "torch_dtype": "float16"}  # prompts are token ids of TINY's range
+MOE = {
+    "qwen3": {**QWEN3_30B_A3B, "num_hidden_layers": 2, **_VOCAB},
+    "mixtral": {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+                "hidden_size": 1024, "intermediate_size": 3584, "num_hidden_layers": 4,
+                "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 64,
+                "num_local_experts": 8, "num_experts_per_tok": 2, "hidden_act": "silu",
+                "rms_norm_eps": 1e-5, "rope_theta": 1000000.0, "tie_word_embeddings": False,
+                "sliding_window": None, **_VOCAB},
+}  # fmt: skip
+
+
+def moe_paths(work: Path, arch: str) -> dict[str, Path]:
+    return {k: work / f"moe-{arch}-{k}" for k in ("fp16", "kbit", "twin")}
+
+
+def moe_tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of the checkpoint transformers' save_pretrained writes for ``cfg``
+    (per-expert 2-D expert weights; cpu-selftest compares this with transformers)."""
+    h, v, hd = cfg["hidden_size"], cfg["vocab_size"], cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    qwen = cfg["model_type"] == "qwen3_moe"
+    e = cfg["num_experts"] if qwen else cfg["num_local_experts"]
+    i = cfg["moe_intermediate_size"] if qwen else cfg["intermediate_size"]
+    mlp, (gate, up, down) = (("mlp", ("gate_proj", "up_proj", "down_proj")) if qwen
+                             else ("block_sparse_moe", ("w1", "w3", "w2")))  # fmt: skip
+    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,),
+              "lm_head.weight": (v, h)}  # fmt: skip
+    for layer in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{layer}"
+        shapes |= {f"{p}.input_layernorm.weight": (h,),
+                   f"{p}.post_attention_layernorm.weight": (h,),
+                   f"{p}.self_attn.q_proj.weight": (q, h), f"{p}.self_attn.k_proj.weight": (kv, h),
+                   f"{p}.self_attn.v_proj.weight": (kv, h), f"{p}.self_attn.o_proj.weight": (h, q),
+                   f"{p}.{mlp}.gate.weight": (e, h)}  # fmt: skip
+        if qwen:
+            shapes |= {f"{p}.self_attn.q_norm.weight": (hd,), f"{p}.self_attn.k_norm.weight": (hd,)}
+        for x in range(e):
+            shapes |= {f"{p}.{mlp}.experts.{x}.{gate}.weight": (i, h),
+                       f"{p}.{mlp}.experts.{x}.{up}.weight": (i, h),
+                       f"{p}.{mlp}.experts.{x}.{down}.weight": (h, i)}  # fmt: skip
+    return shapes
+
+
+def build_moe_model(out: Path, cfg: dict, seed: int = 0) -> None:
+    """Random fp16 checkpoint of ``cfg``: matrices N(0, 0.02) (transformers' initializer_range),
+    norms 1; one safetensors shard per layer (generated on the GPU when there is one)."""
+    import torch
+    from safetensors.torch import save_file
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    shards: dict[str, dict[str, tuple[int, ...]]] = {}
+    for name, shape in moe_tensor_shapes(cfg).items():
+        m = re.match(r"model\.layers\.(\d+)\.", name)
+        shards.setdefault(f"layer{int(m[1]):03d}" if m else "other", {})[name] = shape
+    out.mkdir(parents=True, exist_ok=True)
+    files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map = {}
+    for fname, group in zip(files, shards.values(), strict=True):
+        tensors = {n: (torch.ones(sh, device=dev) if len(sh) == 1 else
+                       torch.randn(sh, generator=gen, device=dev) * 0.02).half().cpu()
+                   for n, sh in group.items()}  # fmt: skip
+        save_file(tensors, str(out / fname), metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(tensors, fname)
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))  # fmt: skip
+    (out / "config.json").write_text(json.dumps(cfg, indent=1) + "\n")
+
+
+def build_moe(work: Path, arch: str, force: bool = False) -> dict[str, Path]:
+    """fp16 checkpoint, its kbit4 conversion and the conversion's dequantized twin."""
+    p = moe_paths(work, arch)
+    marker = work / f"BUILD_MOE_{arch}_OK"
+    if marker.exists() and not force:
+        return p
+    t0 = time.time()
+    for d in p.values():
+        shutil.rmtree(d, ignore_errors=True)
+    cfg = MOE[arch]
+    build_moe_model(p["fp16"], cfg)
+    report = convert_kbit(p["fp16"], p["kbit"])
+    n = build_dequant_twin(p["kbit"], p["twin"])
+    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    want = cfg["num_hidden_layers"] * (4 + 3 * experts)  # q, k, v, o + the experts
+    if n != report["totals"]["quantized_tensors"] or n != want:
+        raise RuntimeError(f"moe {arch}: twin replaced {n} tensors, converter quantized "
+                           f"{report['totals']['quantized_tensors']}, expected {want}")  # fmt: skip
+    marker.write_text("ok\n")
+    print(f"built moe {arch} ({n} quantized tensors, {report['totals']['original_gb']} -> "
+          f"{report['totals']['new_gb']} GB) in {time.time() - t0:.1f} s", flush=True)  # fmt: skip
     return p
 
 
@@ -555,9 +668,69 @@ def check_serve(ctx) -> bool:
         proc.wait()
 
 
+def check_moe(ctx, arch: str) -> bool:
+    """kbit4 checkpoint vs its dequantized twin (both eager: kbit::moe vs vLLM's fp16 fused
+    MoE), then online kbit4 of the fp16 model vs the checkpoint: the converter and the online
+    path quantize with the same kernel, so the weights are identical and so must the tokens be
+    (ties aside)."""
+    name = f"moe_{arch}"
+    p = build_moe(Path(ctx.work), arch)
+    runs = {}
+    qcfg = {"quant_method": "kbit", "bits": BITS}
+    online = dict(quantization="kbit", hf_overrides={"quantization_config": qcfg})
+    for run, kw in (("kbit4", tiny_llm_kw(p["kbit"])), ("twin", tiny_llm_kw(p["twin"])),
+                    ("online4", tiny_llm_kw(p["fp16"], **online))):  # fmt: skip
+        res, err = run_llm(f"{name}_{run}_eager", kw, greedy_gens(), ctx, ctx.moe_timeout)
+        if res is None:
+            return emit(name, False, err)
+        runs[run] = res
+    kb, tw, on = (runs[r]["gens"]["b8"] for r in ("kbit4", "twin", "online4"))
+    exact, ok, verdicts = agree_count(tw, kb)
+    d0 = max(abs(top1_lp(r) - top1_lp(t)) for r, t in zip(tw, kb, strict=True))
+    exact_on, ok_on, verdicts_on = agree_count(kb, on)
+    passed = ok >= N_GREEDY - 1 and d0 <= MOE_LOGPROB_TOL and ok_on == N_GREEDY
+    return emit(name, passed,
+                f"kbit4 vs dequantized twin: seq agree {ok}/{N_GREEDY} (exact {exact}, need >= "
+                f"{N_GREEDY - 1}), max |dlogprob top-1 step 0| {d0:.4f} (tol {MOE_LOGPROB_TOL}), "
+                f"verdicts {verdicts}; online kbit4 vs checkpoint: agree {ok_on}/{N_GREEDY} (exact "
+                f"{exact_on}, need all) {verdicts_on}; load kbit {runs['kbit4']['load_s']} s, twin "
+                f"{runs['twin']['load_s']} s, online {runs['online4']['load_s']} s")  # fmt: skip
+
+
+def check_moe_compiled(ctx) -> bool:
+    from vllm_kbit import _ops
+
+    _ops.load()  # no CUDA initialisation; tells whether _C has the moe kernel
+    if "moe" in _ops._cuda_reference_ops:
+        return emit("moe_compiled", False, "no CUDA kbit::moe kernel in vllm_kbit._C: the "
+                    "reference fallback cannot be captured in a CUDA graph")  # fmt: skip
+    p = build_moe(Path(ctx.work), "qwen3")
+    eager_path = Path(ctx.work) / "moe_qwen3_kbit4_eager.result.json"
+    if not eager_path.exists():
+        res, err = run_llm("moe_qwen3_kbit4_eager", tiny_llm_kw(p["kbit"]), greedy_gens(), ctx,
+                           ctx.moe_timeout)  # fmt: skip
+        if res is None:
+            return emit("moe_compiled", False, err)
+    cg, err = run_llm("moe_qwen3_kbit4_compiled", tiny_llm_kw(p["kbit"], eager=False),
+                      greedy_gens(True), ctx, ctx.moe_timeout + ctx.compiled_timeout)  # fmt: skip
+    if cg is None:
+        return emit("moe_compiled", False, err)
+    ref = json.loads(eager_path.read_text())["gens"]["b8"]
+    exact8, ok8, v8 = agree_count(ref, cg["gens"]["b8"])
+    exact1, ok1, v1 = agree_count(ref[:2], cg["gens"]["b1"])
+    return emit("moe_compiled", ok8 >= N_GREEDY - 1 and ok1 == 2,
+                f"vs moe_qwen3 kbit4 eager: batch 8 agree {ok8}/{N_GREEDY} (exact {exact8}); "
+                f"batch 1 agree {ok1}/2 (exact {exact1}); verdicts b8 {v8} b1 {v1}; "
+                f"load+compile {cg['load_s']} s")  # fmt: skip
+
+
 CHECKS = {"prequant_greedy": check_prequant_greedy, "online_k5_vs_fp16": check_online_k5,
           "compiled_graphs": check_compiled, "dummy_online": check_dummy_online,
-          "serve_openai": check_serve}  # fmt: skip
+          "serve_openai": check_serve, "moe_qwen3": lambda ctx: check_moe(ctx, "qwen3"),
+          "moe_mixtral": lambda ctx: check_moe(ctx, "mixtral"),
+          "moe_compiled": check_moe_compiled}  # fmt: skip
+DEFAULT_CHECKS = ["prequant_greedy", "online_k5_vs_fp16", "compiled_graphs", "dummy_online",
+                  "serve_openai"]  # the MoE checks take minutes each: run them by name
 
 
 # ---------------------------------------------------------------- CPU self-test
@@ -608,7 +781,50 @@ def cpu_selftest(work: Path) -> bool:
             and tok.decode(ids) == "hello world the quantization" and tok.chat_template,
             f"{type(tok).__name__} len {len(tok)}; ids {ids}; chat {chat!r} -> {cids}; "
             f"decode(3 ids) {tok.decode([100, 200, 31999])!r}")  # fmt: skip
+    for arch in MOE:
+        for name, good, det in moe_selftest(work, arch):
+            say(name, good, det)
     return ok
+
+
+def moe_selftest(work: Path, arch: str) -> list[tuple[str, bool, str]]:
+    """The MoE builder on a tiny config: names/shapes equal transformers' save_pretrained, and
+    build -> convert -> twin gives a twin with the fp16 model's names, dtypes and shapes."""
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    e_key, i_key = (("num_experts", "moe_intermediate_size") if arch == "qwen3"
+                    else ("num_local_experts", "intermediate_size"))  # fmt: skip
+    tiny = {**MOE[arch], "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 128, e_key: 4, i_key: 64}  # fmt: skip
+    d = {k: work / f"selftest-moe-{arch}-{k}" for k in ("hf", "fp16", "kbit", "twin")}
+    for x in d.values():
+        shutil.rmtree(x, ignore_errors=True)
+    d["hf"].mkdir(parents=True)
+    (d["hf"] / "config.json").write_text(json.dumps(tiny))
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(d["hf"])).save_pretrained(d["hf"])
+
+    def shapes(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        out = {}
+        for f in sorted(path.glob("*.safetensors")):
+            with safe_open(str(f), "pt") as sf:
+                out |= {k: (tuple(sf.get_slice(k).get_shape()), sf.get_slice(k).get_dtype())
+                        for k in sf.keys()}  # fmt: skip
+        return out
+
+    hf = {k: v[0] for k, v in shapes(d["hf"]).items()}
+    mine = moe_tensor_shapes(tiny)
+    build_moe_model(d["fp16"], tiny)
+    report = convert_kbit(d["fp16"], d["kbit"])
+    n = build_dequant_twin(d["kbit"], d["twin"])
+    fp, tw = shapes(d["fp16"]), shapes(d["twin"])
+    return [
+        (f"moe_{arch}_names", hf == mine, f"{len(mine)} tensors; differ: "
+         f"{sorted(set(hf.items()) ^ set(mine.items()))[:4]}"),
+        (f"moe_{arch}_pipeline", fp == tw and n == 16 == report["totals"]["quantized_tensors"],
+         f"twin == fp16 names/shapes/dtypes: {fp == tw}; {n} weights dequantized (want 16)"),
+    ]  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -623,6 +839,7 @@ def main(argv: list[str] | None = None) -> int:
                     default=float(os.environ.get("E2E_COMPILED_TIMEOUT", "240")))
     ap.add_argument("--dummy-timeout", type=float, default=float(os.environ.get("E2E_DUMMY_TIMEOUT", "200")))
     ap.add_argument("--serve-timeout", type=float, default=float(os.environ.get("E2E_SERVE_TIMEOUT", "180")))
+    ap.add_argument("--moe-timeout", type=float, default=float(os.environ.get("E2E_MOE_TIMEOUT", "240")))
     ap.add_argument("--port", type=int, default=8123)
     a = ap.parse_args(argv)
     if a.cmd == "worker":
@@ -637,7 +854,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _on_term)
     signal.signal(signal.SIGINT, _on_term)
     bad = 0
-    for name in a.names or list(CHECKS):
+    for name in a.names or DEFAULT_CHECKS:
         _CURRENT[0] = name
         t0 = time.time()
         try:

@@ -15,6 +15,7 @@ import os
 import torch
 
 from . import reference as ref
+from . import reference_moe as ref_moe
 from .format import BLOCKSIZE, check_bits
 
 logger = logging.getLogger(__name__)
@@ -32,11 +33,17 @@ _SCHEMAS = {
     "mma": "mma(Tensor x, Tensor qweight, Tensor absmax, Tensor codebook, int bits, int n) -> Tensor",
     "linear": "linear(Tensor x, Tensor qweight, Tensor absmax, Tensor codebook, int bits, int n) "
     "-> Tensor",
+    # grouped MoE experts (gate_up, gated activation, down, weighted sum over top-k) on the
+    # tiled layout, one row per local expert; see reference_moe.py for the contract
+    "moe": "moe(Tensor x, Tensor w13_qweight, Tensor w13_absmax, Tensor w2_qweight, "
+    "Tensor w2_absmax, Tensor codebook, Tensor topk_weights, Tensor topk_ids, Tensor? expert_map, "
+    "int bits, int inter_size, str activation, bool apply_router_weight_on_input) -> Tensor",
 }
 _MATMUL_OPS = ("gemv", "mma", "linear")
 
 _lib: torch.library.Library | None = None
 _cuda_backend = "none"  # "compiled", "reference" (no _C: reference ops on the GPU) or "none"
+_cuda_reference_ops: list[str] = []  # ops that run the reference on CUDA tensors
 
 
 def _define() -> None:
@@ -56,17 +63,18 @@ def _define() -> None:
     torch.library.register_fake("kbit::dequantize_tiled", _dequantize_tiled_fake, lib=_lib)
     for name in _MATMUL_OPS:
         torch.library.register_fake(f"kbit::{name}", _linear_fake, lib=_lib)
+    torch.library.register_fake("kbit::moe", _moe_fake, lib=_lib)
 
 
-def _register_reference(dispatch_key: str) -> None:
-    """The pure-PyTorch reference as the implementation of every op for ``dispatch_key``."""
+def _register_reference(dispatch_key: str, names: list[str] | None = None) -> None:
+    """The pure-PyTorch reference as the ``dispatch_key`` implementation of the ops ``names``
+    (default: every op)."""
     assert _lib is not None
-    _lib.impl("quantize", _quantize_ref, dispatch_key)
-    _lib.impl("dequantize", ref.dequantize, dispatch_key)
-    _lib.impl("repack", ref.repack, dispatch_key)
-    _lib.impl("dequantize_tiled", ref.dequantize_tiled, dispatch_key)
-    for name in _MATMUL_OPS:
-        _lib.impl(name, _linear_ref, dispatch_key)
+    impls = {"quantize": _quantize_ref, "dequantize": ref.dequantize, "repack": ref.repack,
+             "dequantize_tiled": ref.dequantize_tiled, "moe": ref_moe.moe_tiled,
+             **{name: _linear_ref for name in _MATMUL_OPS}}  # fmt: skip
+    for name in _SCHEMAS if names is None else names:
+        _lib.impl(name, impls[name], dispatch_key)
 
 
 def _quantize_ref(weight: torch.Tensor, codebook: torch.Tensor, bits: int):
@@ -118,23 +126,38 @@ def _linear_fake(x, qweight, absmax, codebook, bits, n):
     return x.new_empty((x.shape[0], n))
 
 
+def _moe_fake(x, w13_qweight, w13_absmax, w2_qweight, w2_absmax, codebook, topk_weights, topk_ids,
+              expert_map, bits, inter_size, activation, apply_router_weight_on_input):  # fmt: skip
+    ref_moe.check_moe_args(x, w13_qweight, w13_absmax, w2_qweight, w2_absmax, codebook,
+                           topk_weights, topk_ids, expert_map, bits, inter_size, activation,
+                           apply_router_weight_on_input)  # fmt: skip
+    return x.new_empty(x.shape)
+
+
 def _load_cuda() -> None:
     """Attach CUDA implementations: the compiled kernels, else the reference on the GPU."""
-    global _cuda_backend
+    global _cuda_backend, _cuda_reference_ops
     if _cuda_backend != "none":
         return
     try:
         from . import _C  # noqa: F401  (its static initialisers register the CUDA kernels)
-
-        _cuda_backend = "compiled"
-        return
     except ImportError as e:
         if os.environ.get("KBIT_REQUIRE_CUDA_EXT", "0") == "1":
             raise ImportError("vllm_kbit._C is not built (KBIT_REQUIRE_CUDA_EXT=1)") from e
         logger.warning("vllm_kbit._C is not built (%s); CUDA tensors use the slow PyTorch "
                        "reference. Reinstall with nvcc available to get the kernels.", e)  # fmt: skip
-    _register_reference("CUDA")
-    _cuda_backend = "reference"
+        _register_reference("CUDA")
+        _cuda_backend, _cuda_reference_ops = "reference", list(_SCHEMAS)
+        return
+    _cuda_backend = "compiled"
+    # an _C built before an op existed (or without it) lacks its kernel: use the reference
+    has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
+    _cuda_reference_ops = [n for n in _SCHEMAS if not has_kernel(f"kbit::{n}", "CUDA")]
+    if _cuda_reference_ops:
+        logger.warning("vllm_kbit._C has no CUDA kernel for %s; those ops use the slow PyTorch "
+                       "reference on CUDA tensors (rebuild the extension to get them)",
+                       ", ".join(f"kbit::{n}" for n in _cuda_reference_ops))  # fmt: skip
+        _register_reference("CUDA", _cuda_reference_ops)
 
 
 def load() -> str:

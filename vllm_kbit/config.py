@@ -24,7 +24,12 @@ or **pre-quantized** (the checkpoint holds ``qweight`` / ``weight_absmax`` tenso
 Patterns in ``modules_to_not_convert`` and ``module_bits`` are matched against the
 checkpoint module names; for a layer that vLLM fuses (``qkv_proj``, ``gate_up_proj``)
 each shard name (``q_proj``, ...) from ``packed_modules_mapping`` is matched, and all
-shards must agree.
+shards must agree. An MoE layer (``...experts``) is one vLLM layer: it is left unquantized
+when its own name or every expert weight name (``...experts.{e}.gate_proj``, ...) is
+skipped, and all its expert weights must share one bit width.
+
+Online mode leaves MoE router gates (linear layers named ``...gate``) unquantized, like the
+converter: they are tiny and the routing decision is sensitive to their error.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
 from .format import BLOCKSIZE, KbitQuantConfig
 from .linear import KbitLinearMethod
+from .moe import KbitMoEMethod
 
 logger = init_logger(__name__)
 
@@ -128,7 +134,7 @@ class KbitConfig(QuantizationConfig):
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
         if isinstance(layer, LinearBase):
             shards = self._shard_names(prefix)
-            if self._skipped(prefix, shards):
+            if self._skipped(prefix, shards) or (self.online and prefix.endswith(".gate")):
                 return UnquantizedLinearMethod()
             k = getattr(layer, "input_size_per_partition", layer.input_size)
             if not self._k_ok(prefix, k, layer.input_size):
@@ -141,11 +147,8 @@ class KbitConfig(QuantizationConfig):
                 return None
             return self._method(prefix, [prefix])
         if _is_routed_experts(layer):
-            logger.warning_once(
-                "kbit: MoE expert layers are not quantized yet; they stay in the model dtype "
-                "(a pre-quantized MoE checkpoint cannot be loaded)"
-            )
-        return None  # embeddings, attention, MoE: unquantized
+            return self._moe_method(layer, prefix)
+        return None  # embeddings, attention: unquantized
 
     # ------------------------------------------------------------------ helpers
 
@@ -181,6 +184,36 @@ class KbitConfig(QuantizationConfig):
             raise ValueError(f"kbit: cannot load pre-quantized {prefix}: {why}; {fix}")
         logger.warning("kbit: leaving %s unquantized: %s", prefix, why)
         return False
+
+    def _moe_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase:
+        from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
+            UnquantizedFusedMoEMethod,
+        )
+
+        moe = layer.moe_config
+        leaves = (layer.ckpt_gate_proj_name, layer.ckpt_up_proj_name, layer.ckpt_down_proj_name)
+        names = [f"{prefix}.{e}.{leaf}" for e in range(moe.num_logical_experts) for leaf in leaves]
+        skipped = [n for n in names if self.quant.is_skipped(n)]
+        if self.quant.is_skipped(prefix) or len(skipped) == len(names):
+            return UnquantizedFusedMoEMethod(moe)
+        if skipped:
+            raise ValueError(f"kbit: modules_to_not_convert skips {len(skipped)} of the "
+                             f"{len(names)} expert weights of MoE layer {prefix} (e.g. "
+                             f"{skipped[0]}); vLLM serves all experts of a layer with one "
+                             f"method, so skip all of them (e.g. '{re.escape(prefix)}$') or "
+                             "none")  # fmt: skip
+        h, i = moe.hidden_dim, moe.intermediate_size_per_partition
+        down = f"{prefix}.*.{leaves[2]}"
+        if not (self._k_ok(prefix, h, h) and self._k_ok(down, i, moe.intermediate_size)):
+            return UnquantizedFusedMoEMethod(moe)
+        by_bits = {self.quant.bits_for(n): n for n in names}
+        if len(by_bits) > 1:
+            detail = ", ".join(f"{n}: {k}" for k, n in sorted(by_bits.items()))
+            raise ValueError(f"kbit: module_bits gives the experts of MoE layer {prefix} "
+                             f"different bit widths ({detail}); all expert weights of one MoE "
+                             "layer (gate, up and down) must share one")  # fmt: skip
+        k = next(iter(by_bits))
+        return KbitMoEMethod(moe, k, self.quant.codebook(k), online=self.online, prefix=prefix)
 
     def _method(self, prefix: str, shards: list[str]) -> KbitLinearMethod:
         bits = {s: self.quant.bits_for(s) for s in shards}

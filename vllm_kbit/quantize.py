@@ -266,9 +266,8 @@ def _group_keys(module: str) -> list[tuple[str, ...]]:
     parent, _, leaf = module.rpartition(".")
     keys = [("fused", parent, str(g)) for g, names in enumerate(FUSED_GROUPS) if leaf in names]
     m = _EXPERT.match(module)
-    if m:  # one FusedMoE layer: all experts share bits per projection, and status
-        group = next((",".join(g) for g in FUSED_GROUPS if leaf in g), leaf)
-        keys += [("moe", m[1], group), ("moe-status", m[1])]
+    if m:  # one FusedMoE layer, one kbit::moe call: every expert weight shares bits and status
+        keys += [("moe", m[1]), ("moe-status", m[1])]
     return keys
 
 
