@@ -52,14 +52,6 @@ __device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[
     }
 }
 
-// d = A B: the accumulator starts from zero (a fresh partial sum).
-template <bool BF16>
-__device__ __forceinline__ void mma_m16n8k16_zero(float (&d)[4], const uint32_t (&a)[4],
-                                                  uint32_t b0, uint32_t b1) {
-    d[0] = d[1] = d[2] = d[3] = 0.f;
-    mma_m16n8k16<BF16>(d, a, b0, b1);
-}
-
 // Sizes of the runtime layout of W[n, k].
 struct TiledShape {
     int64_t n, k, np, kp, n_tiles, k_tiles, words, absmax_bytes;

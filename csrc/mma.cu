@@ -9,11 +9,12 @@
 //    Weights are used once by one lane, but the ring gives deep prefetch without registers.
 //  * Warp w owns n-tiles 2w, 2w+1: every x fragment (ldmatrix) feeds 2 MMAs, which halves the
 //    shared-memory reads of x; every dequantized A fragment feeds TM/8 MMAs.
-//  * Dequantization, per lane and 2 adjacent columns (= one A register): the k bit planes are
+//  * Dequantization (frag_dequant.cuh, shared with moe.cu), per lane and 2 adjacent columns
+//    (= one A register): the k bit planes are
 //    transposed in registers (shift/lop3 on 32-bit words) so that the 2k bits of a column pair
 //    sit in one byte (k=5: 10 bits), then ONE shared-memory load from a half2 pair table
-//    T[idx] = (16 cb[lo], 16 cb[hi]) gives both values. The MMAs of one 32-column block sum
-//    from zero; the block's absmax / 16 then scales that partial sum in fp32 (one rounding).
+//    T[idx] = (cb[lo], cb[hi]) 2^S gives both values, and one HMUL2 applies the block's absmax
+//    (single rounding: codebooks are bf16-exact, see frag_dequant.cuh).
 //    T is replicated `copies` times (entry i of lane l at word i*copies + l % copies) so that
 //    the 32 random lookups of a warp hit 32 different banks.
 //  * Split-K over CTAs when n-tiles x token tiles do not fill the GPU (<= 8 splits). sm_90: the
@@ -31,18 +32,19 @@
 #include <type_traits>
 #include <unordered_map>
 
+#include "frag_dequant.cuh"
 #include "kbit_format.cuh"
 #include "ops.h"
 
 namespace kbit {
 namespace {
 
+using namespace frag;  // fragment dequantization, shared with moe.cu
+
 constexpr int kThreads = 256;                   // 8 warps
 constexpr int kNT = 2;                          // 16-row tiles per warp (x fragment reuse)
 constexpr int kGroupTiles = kThreads / 32 * kNT;  // 16 n-tiles = 256 rows per CTA
 constexpr int kGroupRows = kGroupTiles * kTileN;
-constexpr int kXRow = kTileK * 2 + 16;          // smem bytes per token row of an x tile: +16 B
-                                                // so the 8 rows of an ldmatrix hit 8 bank quads
 constexpr int kOutRow = kGroupRows + 4;         // floats per token row of the epilogue tile: +4
                                                 // so the accumulator stores are conflict-free
 constexpr int kMaxSplits = 8;                   // portable thread-block cluster size
@@ -73,213 +75,6 @@ struct Layout {
 
 // ------------------------------------------------------------------------ device helpers
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// 16-byte async copy global -> shared; src-size 0 zero-fills without touching global memory
-// (tokens >= M, columns >= K, tiles past n).
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-                 "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
-// Table lookup by 32-bit shared address: the address (smem base folded into the lane's base) is
-// one IMAD/LOP3 per lookup; a generic pointer would cost an extra add (on sm_90 the smem base
-// depends on the CTA's cluster id). Not volatile: the table is constant after the first barrier.
-__device__ __forceinline__ uint32_t lds32(uint32_t addr) {
-    uint32_t v;
-    asm("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr));
-    return v;
-}
-
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
-__device__ __forceinline__ void ldsm_x2(uint32_t (&r)[2], uint32_t addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
-                 : "=r"(r[0]), "=r"(r[1])
-                 : "r"(addr));
-}
-
-// Codebook entries are stored as cb * 16 (an exact power-of-two scaling) in the table, and the
-// absmax is applied in fp32 to each 32-column block's partial sums, so every weight is rounded
-// exactly once (cb to fp16/bf16); scaling the fragment with HMUL2 instead rounded a second time
-// and doubled the weight error. E4M4 (bias 11, IEEE-style subnormals) is an fp16 (bias 15)
-// number with the low mantissa bits zero: code c << 6 as fp16 bits = absmax / 16, exactly.
-template <bool BF16>
-__device__ __forceinline__ uint16_t scaled_code(float v) {
-    if constexpr (BF16) return __bfloat16_as_ushort(__float2bfloat16_rn(v * 16.0f));
-    else return __half_as_ushort(__float2half_rn(v * 16.0f));
-}
-
-// absmax / 16 of block b of a row, from the row's 4 absmax bytes (2 integer ops + 1 convert).
-__device__ __forceinline__ float absmax16(uint32_t a, int b) {
-    return __half2float(__ushort_as_half(static_cast<uint16_t>(((a >> (8 * b)) & 0xFFu) << 6)));
-}
-
-// Index words of one lane and one 32-bit word of a tile (2 blocks x 2 row halves = 4 bytes q,
-// each 4 column pairs p: bits 2p, 2p+1 of byte q are the columns 2p, 2p+1 of the A fragment
-// order). Output: the 2k-bit pair index of (q, p) with plane j's two bits at bits 2j, 2j+1.
-//  k=2: iw[p & 1], nibble 2q + p/2 (one stage of bit-field swaps).
-//  k=3,4: iw[p], byte q (a 4x4 transpose of 2-bit fields: two stages of swaps, 16 ops/16 pairs).
-//  k=5: as k=4 for planes 0-3; plane 4's bits are attached per lookup (pair_addr).
-template <int BITS>
-__device__ __forceinline__ void index_words(uint32_t (&iw)[5], const uint32_t (&pl)[BITS]) {
-    if constexpr (BITS == 2) {
-        iw[0] = (pl[0] & 0x33333333u) | ((pl[1] << 2) & 0xCCCCCCCCu);
-        iw[1] = ((pl[0] >> 2) & 0x33333333u) | (pl[1] & 0xCCCCCCCCu);
-    } else {
-        const uint32_t a3 = BITS >= 4 ? pl[3] : 0u;
-        const uint32_t b0 = (pl[0] & 0x0F0F0F0Fu) | ((pl[2] << 4) & 0xF0F0F0F0u);
-        const uint32_t b2 = ((pl[0] >> 4) & 0x0F0F0F0Fu) | (pl[2] & 0xF0F0F0F0u);
-        const uint32_t b1 = (pl[1] & 0x0F0F0F0Fu) | ((a3 << 4) & 0xF0F0F0F0u);
-        const uint32_t b3 = ((pl[1] >> 4) & 0x0F0F0F0Fu) | (a3 & 0xF0F0F0F0u);
-        iw[0] = (b0 & 0x33333333u) | ((b1 << 2) & 0xCCCCCCCCu);
-        iw[1] = ((b0 >> 2) & 0x33333333u) | (b1 & 0xCCCCCCCCu);
-        iw[2] = (b2 & 0x33333333u) | ((b3 << 2) & 0xCCCCCCCCu);
-        iw[3] = ((b2 >> 2) & 0x33333333u) | (b3 & 0xCCCCCCCCu);
-        if constexpr (BITS == 5) iw[4] = pl[4];
-    }
-}
-
-// Shared address of this lane's copy of T[index of pair (q, p)]; `base` = table address +
-// this lane's copy offset (64-byte aligned table).
-template <int BITS>
-__device__ __forceinline__ uint32_t pair_addr(const uint32_t (&iw)[5], int p, int q, uint32_t base,
-                                              uint32_t stride) {
-    if constexpr (BITS == 2) {  // 16 entries sit in 16 distinct banks: one copy, 4 idx | base
-        const uint32_t d = iw[p & 1];
-        const int nib = 2 * q + (p >> 1);
-        return (nib == 0 ? (d << 2) & 0x3Cu : (d >> (4 * nib - 2)) & 0x3Cu) | base;
-    } else if constexpr (BITS <= 4) {  // prmt: byte q, zero-extended
-        return __byte_perm(iw[p], 0u, 0x4440u | q) * stride + base;
-    } else {  // prmt: [byte q of iw[p], plane-4 bits of (q, p), 0, 0] = 10-bit index
-        const uint32_t e = (iw[4] >> (16 * (q >> 1) + 2 * p)) & 0x0303u;
-        return __byte_perm(iw[p], e, 0x6600u | ((4u + (q & 1)) << 4) | q) * stride + base;
-    }
-}
-
-__device__ __forceinline__ uint32_t even_bits(uint32_t x) {  // bits 0,2,4,6,8 -> 0..4
-    x &= 0x155u;
-    x = (x | (x >> 1)) & 0x133u;
-    x = (x | (x >> 2)) & 0x10Fu;
-    return (x | (x >> 4)) & 0x1Fu;
-}
-
-// One k-tile of one warp: 2 n-tiles x 8 k16 steps x TM/8 token fragments. Per 32-column block
-// the MMAs sum from zero into `part`, which is then added to `acc` times the block's absmax in
-// fp32 (TM/2 FFMA per tile and block; HMUL2 on the A fragments cost 8 but rounded twice).
-template <int BITS, int TM, bool BF16>
-__device__ __forceinline__ void tile_step(float (&acc)[kNT][TM / 8][4], const uint8_t* smem,
-                                          int stage, int warp, int lane, uint32_t tbl_lane,
-                                          uint32_t stride, uint32_t x_lane) {
-    using L = Layout<BITS, TM>;
-    const uint8_t* st = smem + stage;
-    uint2 planes[kNT][BITS];  // this lane's 8 bytes of each plane: one coalesced 8-byte load
-    uint32_t am[kNT][2];      // [tile][row half h]: the 4 absmax bytes of row g + 8h
-#pragma unroll
-    for (int i = 0; i < kNT; ++i) {
-        const int tile = warp * kNT + i;
-#pragma unroll
-        for (int j = 0; j < BITS; ++j)
-            planes[i][j] = *reinterpret_cast<const uint2*>(st + (tile * BITS + j) * 256 + lane * 8);
-#pragma unroll
-        for (int h = 0; h < 2; ++h)  // rows g and g + 8: 4 bytes each (quad broadcast)
-            am[i][h] = *reinterpret_cast<const uint32_t*>(st + L::kW + tile * 64 + h * 32 +
-                                                          (lane >> 2) * 4);
-    }
-    // Not unrolled: one plane word's lookups in flight at a time keeps the registers of TM = 32
-    // (2 CTAs/SM: 128) and TM = 64 below the spill limit.
-#pragma unroll 1
-    for (int w = 0; w < 2; ++w) {  // plane word w = blocks 2w, 2w + 1
-        uint32_t iw[kNT][5];
-#pragma unroll
-        for (int i = 0; i < kNT; ++i) {
-            uint32_t pl[BITS];
-#pragma unroll
-            for (int j = 0; j < BITS; ++j) pl[j] = w ? planes[i][j].y : planes[i][j].x;
-            index_words<BITS>(iw[i], pl);
-        }
-#pragma unroll
-        for (int b2 = 0; b2 < 2; ++b2) {  // block 2w + b2 = bytes q = 2 b2 + h
-            // A registers of both k16 steps of the block: {row g, row g+8} x {cols 2t.., 2t+8..}
-            uint32_t a[2][kNT][4];
-#pragma unroll
-            for (int s = 0; s < 2; ++s)
-#pragma unroll
-                for (int i = 0; i < kNT; ++i)
-#pragma unroll
-                    for (int r = 0; r < 4; ++r) {
-                        const int p = 2 * s + (r >> 1), h = r & 1;
-                        a[s][i][r] = lds32(pair_addr<BITS>(iw[i], p, 2 * b2 + h, tbl_lane, stride));
-                    }
-            float sc[kNT][2];  // absmax / 16 of rows g (c0, c1) and g + 8 (c2, c3) in this block
-#pragma unroll
-            for (int i = 0; i < kNT; ++i)
-#pragma unroll
-                for (int h = 0; h < 2; ++h) sc[i][h] = absmax16(am[i][h], 2 * w + b2);
-            // Token fragments in groups of FG (one ldmatrix x2 / x4): the partial sums live only
-            // for one group, which bounds the registers of TM = 64.
-            constexpr int FG = TM == 8 ? 1 : 2;
-#pragma unroll
-            for (int f0 = 0; f0 < TM / 8; f0 += FG) {
-                float part[kNT][FG][4];
-#pragma unroll
-                for (int s = 0; s < 2; ++s) {
-                    const int kk = 4 * w + 2 * b2 + s;
-                    uint32_t bf[2 * FG];
-                    if constexpr (FG == 1) {  // tokens 8 f0 .. 8 f0 + 7 (lanes 0-15 address)
-                        ldsm_x2(*reinterpret_cast<uint32_t(*)[2]>(bf),
-                                x_lane + f0 * 8 * kXRow + kk * 32);
-                    } else {  // tokens 8 f0 .. 8 f0 + 15
-                        ldsm_x4(*reinterpret_cast<uint32_t(*)[4]>(bf),
-                                x_lane + f0 / 2 * 16 * kXRow + kk * 32);
-                    }
-#pragma unroll
-                    for (int i = 0; i < kNT; ++i)
-#pragma unroll
-                        for (int ff = 0; ff < FG; ++ff) {
-                            if (s == 0)
-                                mma_m16n8k16_zero<BF16>(part[i][ff], a[s][i], bf[2 * ff],
-                                                        bf[2 * ff + 1]);
-                            else
-                                mma_m16n8k16<BF16>(part[i][ff], a[s][i], bf[2 * ff],
-                                                   bf[2 * ff + 1]);
-                        }
-                }
-#pragma unroll
-                for (int i = 0; i < kNT; ++i)
-#pragma unroll
-                    for (int ff = 0; ff < FG; ++ff)
-#pragma unroll
-                        for (int e = 0; e < 4; ++e)
-                            acc[i][f0 + ff][e] =
-                                fmaf(part[i][ff][e], sc[i][e >> 1], acc[i][f0 + ff][e]);
-            }
-        }
-    }
-}
-
-// Two floats -> packed fp16x2 / bf16x2 bits (low half = first).
-template <bool BF16>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-    if constexpr (BF16) {
-        const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-        return *reinterpret_cast<const uint32_t*>(&h);
-    } else {
-        const __half2 h = __floats2half2_rn(lo, hi);
-        return *reinterpret_cast<const uint32_t*>(&h);
-    }
-}
-
 // 4 consecutive outputs (columns col..col+3 of token row `row`) in y's dtype.
 template <bool BF16>
 __device__ __forceinline__ void store_y(void* y, int row, int col, int n, float4 v) {
@@ -309,36 +104,12 @@ __device__ __forceinline__ void store_ws(float* ws, int row, int col, int n, flo
     }
 }
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-__device__ __forceinline__ void cluster_sync() {  // release/acquire: smem writes become visible
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n"
-                 ::: "memory");
-}
-__device__ __forceinline__ uint32_t cluster_rank() {
-    uint32_t r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-    return r;
-}
-__device__ __forceinline__ float4 ld_dsmem(uint32_t local_addr, uint32_t rank) {
-    uint32_t remote;
-    float4 v;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n"
-                 : "=r"(remote)
-                 : "r"(local_addr), "r"(rank));
-    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
-                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-                 : "r"(remote)
-                 : "memory");
-    return v;
-}
-#endif
 
 // ------------------------------------------------------------------------------ kernels
 
-// Grid (n-tile groups, splits, token tiles). 2 CTAs/SM where shared memory allows (TM <= 16;
-// TM = 32 needs ~140 registers with the per-block fp32 partial sums: 128 would spill).
+// Grid (n-tile groups, splits, token tiles). 2 CTAs/SM where shared memory allows (TM <= 32).
 template <int BITS, int TM, bool BF16>
-__global__ void __launch_bounds__(kThreads, TM <= 16 ? 2 : 1) mma_kernel(const Params p) {
+__global__ void __launch_bounds__(kThreads, TM <= 32 ? 2 : 1) mma_kernel(const Params p) {
     using L = Layout<BITS, TM>;
     extern __shared__ __align__(16) uint8_t smem[];
     __shared__ uint16_t cbh[32];
@@ -392,20 +163,8 @@ __global__ void __launch_bounds__(kThreads, TM <= 16 ? 2 : 1) mma_kernel(const P
     if (tid < (1 << BITS)) cbh[tid] = scaled_code<BF16>(p.cb[tid]);
     __syncthreads();
     const uint32_t tbl_base = (s_base + 63u) & ~63u;  // < s_base + 64
-    {  // T[idx] = (cb[lo], cb[hi]), lo/hi = even/odd bits of idx. Consecutive threads write
-       // consecutive 16-byte groups of copies (conflict-free); visible after the main loop's
-       // first barrier. 4 copies per store when copies >= 4, else one word per store.
-        uint8_t* tbl = smem + (tbl_base - s_base);
-        const int vec_log2 = p.copies_log2 >= 2 ? 2 : 0;
-        const int stores = 1 << (2 * BITS + p.copies_log2 - vec_log2);
-        for (int e = tid; e < stores; e += kThreads) {
-            const uint32_t idx = static_cast<uint32_t>(e) << vec_log2 >> p.copies_log2;
-            const uint32_t v =
-                cbh[even_bits(idx)] | static_cast<uint32_t>(cbh[even_bits(idx >> 1)]) << 16;
-            if (vec_log2 == 2) reinterpret_cast<uint4*>(tbl)[e] = make_uint4(v, v, v, v);
-            else reinterpret_cast<uint32_t*>(tbl)[e] = v;  // copies 1 or 2 (k = 2, small GPUs)
-        }
-    }
+    // T[idx] = (cb[lo], cb[hi]) 2^S; visible after the main loop's first barrier.
+    build_pair_table<BITS>(smem + (tbl_base - s_base), cbh, p.copies_log2, tid, kThreads);
 
     const int g = lane >> 2, t = lane & 3;
     const uint32_t tbl_lane = tbl_base + (lane & ((1 << p.copies_log2) - 1)) * 4;  // own copy
@@ -436,8 +195,9 @@ __global__ void __launch_bounds__(kThreads, TM <= 16 ? 2 : 1) mma_kernel(const P
         cp_async_commit();  // possibly empty: keeps the group count uniform
         const int stage = p.ring_off + slot * L::kStage;
         if (warp_busy)
-            tile_step<BITS, TM, BF16>(acc, smem, stage, warp, lane, tbl_lane, stride,
-                                      x_lane0 + stage);
+            tile_step<BITS, TM, kNT, BF16>(acc, smem + stage + warp * kNT * BITS * 256,
+                                           smem + stage + L::kW + warp * kNT * 64, lane, tbl_lane,
+                                           stride, x_lane0 + stage);
         slot = slot + 1 == p.stages ? 0 : slot + 1;
     }
     cp_async_wait<0>();
@@ -532,7 +292,7 @@ Choice pick_config(int dev) {
     Choice c;
     for (int min_stages = 3; min_stages >= 2 && !c.stages; --min_stages)
         for (int lc = BITS == 2 ? 0 : 5; lc >= 0 && !c.stages; --lc)
-            for (int ctas = TM <= 16 ? 2 : 1; ctas >= 1 && !c.stages; --ctas) {
+            for (int ctas = TM <= 32 ? 2 : 1; ctas >= 1 && !c.stages; --ctas) {
                 const int budget = std::min(optin, per_sm / ctas - reserved) - 128;  // - static
                 const int table = 4 << (2 * BITS + lc);
                 const int stages = std::min(kMaxStages, (budget - table - 64) / L::kStage);

@@ -17,7 +17,8 @@ from vllm_kbit.format import SUPPORTED_BITS, check_codebook, default_codebook
 def test_fit_codebook_reproduces_the_defaults(bits):
     cb = fit_codebook(bits)  # 4M samples, seed 0: how the defaults were made
     assert cb.dtype == torch.float32 and cb.shape == (2**bits,)
-    assert float((cb - default_codebook(bits)).abs().max()) < 1e-3
+    # the defaults are those values rounded to bf16 (<= 2^-9 relative)
+    assert float((cb - default_codebook(bits)).abs().max()) < 1e-3 + 2**-9
 
 
 @pytest.mark.parametrize("bits", SUPPORTED_BITS)

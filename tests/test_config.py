@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from vllm_kbit.format import KbitQuantConfig, default_codebook
+from vllm_kbit.format import KbitQuantConfig, default_codebook, round_codebook
 
 
 def test_defaults():
@@ -27,7 +27,19 @@ def test_round_trip_through_json():
     assert d["quant_method"] == "kbit" and set(d["codebooks"]) == {"3", "4", "5"}
     back = KbitQuantConfig.from_dict(d)
     assert back.to_dict() == d
-    assert torch.equal(back.codebook(3), cb3) and torch.equal(back.codebook(5), default_codebook(5))
+    assert torch.equal(back.codebook(3), round_codebook(cb3))
+    assert torch.equal(back.codebook(5), default_codebook(5))
+
+
+def test_codebooks_are_rounded_to_bf16_and_tiny_values_refused():
+    cb = torch.tensor([-0.7, -0.123456789, 0.0, 0.333333333])
+    got = KbitQuantConfig(bits=2, codebooks={2: cb}).codebook(2)
+    assert torch.equal(got, cb.to(torch.bfloat16).float()) and not torch.equal(got, cb)
+    for k in (2, 3, 4, 5):  # the defaults already are bf16-exact
+        d = default_codebook(k)
+        assert torch.equal(d, d.to(torch.bfloat16).float())
+    with pytest.raises(ValueError, match="2\\^-18"):
+        KbitQuantConfig(bits=2, codebooks={2: [-0.5, 1e-7, 0.2, 0.5]})
 
 
 def test_module_bits_first_match_wins_and_skips():

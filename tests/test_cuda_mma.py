@@ -16,7 +16,7 @@ import torch
 
 from vllm_kbit import _ops
 from vllm_kbit import reference as ref
-from vllm_kbit.format import default_codebook
+from vllm_kbit.format import check_codebook, default_codebook
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -129,6 +129,7 @@ def test_custom_asymmetric_codebook(bits: int, dtype: torch.dtype) -> None:
     cb = torch.sort(torch.rand(2**bits, generator=g) * 1.25 - 0.25).values
     cb[1] = cb[0]  # duplicates are allowed
     cb[-1] = 1.0
+    cb = check_codebook(cb, bits)  # bf16-exact, as every codebook the plugin passes
     n, k = 272, 640
     qt, at, cb, w32 = _quantized(n, k, bits, codebook=tuple(cb.tolist()))
     for m in [5, 16, 40, 64]:

@@ -45,10 +45,23 @@ _DEFAULT_POSITIVE_HALF: dict[int, tuple[float, ...]] = {
 
 
 def default_codebook(bits: int) -> torch.Tensor:
-    """The project's default 2^bits-entry codebook (float32, sorted, in [-1, 1])."""
+    """The project's default 2^bits-entry codebook (float32, sorted, in [-1, 1], bf16-exact)."""
     check_bits(bits)
     pos = torch.tensor(_DEFAULT_POSITIVE_HALF[bits], dtype=torch.float32)
-    return torch.cat([-pos.flip(0), pos])
+    return round_codebook(torch.cat([-pos.flip(0), pos]))
+
+
+# Smallest nonzero |codebook value|: 16 v must be a normal fp16 number (the kernels' table).
+CODEBOOK_MIN_NONZERO = 2.0**-18
+
+
+def round_codebook(cb: torch.Tensor) -> torch.Tensor:
+    """Codebook values rounded to bfloat16 (8 significant bits), as float32.
+
+    The format requires bf16-exact codebooks: then cb * absmax (5 significant bits in E4M4) is
+    exact in 13 bits, and the fp16/bf16 kernels, which multiply a table value by the absmax in
+    half precision, round every weight once, to exactly the reference's round(cb * absmax)."""
+    return cb.to(torch.bfloat16).to(torch.float32)
 
 
 def check_bits(bits: int, what: str = "bits") -> int:
@@ -58,7 +71,8 @@ def check_bits(bits: int, what: str = "bits") -> int:
 
 
 def check_codebook(codebook: Any, bits: int, what: str = "codebook") -> torch.Tensor:
-    """Validate a codebook (any sorted 2^bits finite values in [-1, 1]); return float32."""
+    """Validate a codebook (any sorted 2^bits finite values in [-1, 1], each 0 or of magnitude
+    >= 2^-18); return it as float32, rounded to bf16 precision (``round_codebook``)."""
     try:
         cb = torch.as_tensor(codebook)
     except (TypeError, ValueError, RuntimeError):
@@ -76,7 +90,11 @@ def check_codebook(codebook: Any, bits: int, what: str = "codebook") -> torch.Te
         raise ValueError(f"kbit: {what} values must lie in [-1, 1], got max |v| = {cb.abs().max():g}")
     if bool((cb[1:] < cb[:-1]).any()):
         raise ValueError(f"kbit: {what} must be sorted ascending")
-    return cb
+    tiny = (cb != 0) & (cb.abs() < CODEBOOK_MIN_NONZERO)
+    if bool(tiny.any()):
+        raise ValueError(f"kbit: {what} values must be 0 or have |v| >= 2^-18, got "
+                         f"{cb[tiny][0].item():g}")  # fmt: skip
+    return round_codebook(cb)
 
 
 # Leaf module names that vLLM serves as quantizable linear layers (dense and MoE experts).

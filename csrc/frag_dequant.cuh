@@ -1,0 +1,280 @@
+// SPDX-License-Identifier: Apache-2.0
+// Fragment dequantization on tensor cores, shared by the fused-dequant MMA kernels (mma.cu, moe.cu):
+// a weight tile of the runtime layout (docs/format.md) is turned into mma.m16n8k16 A fragments in
+// registers with one shared-memory table load per column pair, and multiplied with activations
+// staged in shared memory (ldmatrix B fragments).
+//
+//  * Index words: per lane, the k bit planes of one 32-bit tile word are transposed in registers
+//    (shift/lop3) so that the 2k bits of a column pair sit in one byte (k=5: 10 bits).
+//  * Pair table: T[idx] = (cb[lo], cb[hi]) 2^S in fp16/bf16, lo/hi = the even/odd bits of idx.
+//    Replicated `copies` times (entry i of lane l at word i*copies + l % copies) so that the 32
+//    random lookups of a warp hit different banks.
+//  * absmax: one HMUL2 multiplies the looked-up pair by the block's absmax (decoded from its
+//    E4M4 bits with a shift). This rounds each weight once, to exactly the reference value
+//    round(cb * absmax): codebooks are bf16-exact (8 significant bits, vllm_kbit/format.py) and
+//    E4M4 has 5, so the product is exact before HMUL2's single rounding.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "kbit_format.cuh"
+
+namespace kbit {
+namespace frag {
+
+constexpr int kXRow = kTileK * 2 + 16;  // smem bytes per token row of an x tile: +16 B so that
+                                        // the 8 rows of an ldmatrix hit 8 bank quads
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte async copy global -> shared; src-size 0 zero-fills without touching global memory.
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+                 "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// Table lookup by 32-bit shared address (the smem base folded into the lane's base). Not
+// volatile: the table is constant after the barrier that follows its construction.
+__device__ __forceinline__ uint32_t lds32(uint32_t addr) {
+    uint32_t v;
+    asm("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr));
+    return v;
+}
+
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x2(uint32_t (&r)[2], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
+                 : "=r"(r[0]), "=r"(r[1])
+                 : "r"(addr));
+}
+
+// Codebook entries are stored pre-multiplied by 2^S so that the absmax can be built from its
+// E4M4 bits with one shift (absmax_pair): fp16 S = 4, bf16 S = 116 (exact power-of-two scalings
+// of bf16-exact values).
+template <bool BF16>
+__device__ __forceinline__ uint16_t scaled_code(float v) {
+    if constexpr (BF16) return __bfloat16_as_ushort(__float2bfloat16_rn(v * 0x1p116f));
+    else return __half_as_ushort(__float2half_rn(v * 16.0f));
+}
+
+// E4M4 (bias 11, IEEE-style subnormals) is an fp16 (bias 15) or bf16 (bias 127) number with the
+// low mantissa bits zero: code c << 6 as fp16 bits = absmax / 16, c << 3 as bf16 = absmax / 2^116,
+// subnormals included. From a row's 4 absmax bytes [c0 c1 c2 c3], returns the half2 pairs
+// (c0, c2) (sel = 0) or (c1, c3) (sel = 1): 2 integer ops per 2 scales.
+template <bool BF16>
+__device__ __forceinline__ uint32_t absmax_pair(uint32_t a, int sel) {
+    if constexpr (BF16) return (sel ? a >> 5 : a << 3) & 0x07F807F8u;
+    else return (sel ? a >> 2 : a << 6) & 0x3FC03FC0u;
+}
+
+// v * broadcast(half `hi` of s): one HMUL2 whose second operand selects .H0_H0 / .H1_H1.
+template <bool BF16>
+__device__ __forceinline__ uint32_t mul_scale(uint32_t v, uint32_t s, bool hi) {
+    uint32_t r;
+    if constexpr (BF16) {
+        const __nv_bfloat162 sv = *reinterpret_cast<const __nv_bfloat162*>(&s);
+        const __nv_bfloat162 p = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&v),
+                                         hi ? __high2bfloat162(sv) : __low2bfloat162(sv));
+        r = *reinterpret_cast<const uint32_t*>(&p);
+    } else {
+        const __half2 sv = *reinterpret_cast<const __half2*>(&s);
+        const __half2 p = __hmul2(*reinterpret_cast<const __half2*>(&v),
+                                  hi ? __high2half2(sv) : __low2half2(sv));
+        r = *reinterpret_cast<const uint32_t*>(&p);
+    }
+    return r;
+}
+
+// Index words of one lane and one 32-bit word of a tile (2 blocks x 2 row halves = 4 bytes q,
+// each 4 column pairs p: bits 2p, 2p+1 of byte q are the columns 2p, 2p+1 of the A fragment
+// order). Output: the 2k-bit pair index of (q, p) with plane j's two bits at bits 2j, 2j+1.
+//  k=2: iw[p & 1], nibble 2q + p/2 (one stage of bit-field swaps).
+//  k=3,4: iw[p], byte q (a 4x4 transpose of 2-bit fields: two stages of swaps, 16 ops/16 pairs).
+//  k=5: as k=4 for planes 0-3; plane 4's bits are attached per lookup (pair_addr).
+template <int BITS>
+__device__ __forceinline__ void index_words(uint32_t (&iw)[5], const uint32_t (&pl)[BITS]) {
+    if constexpr (BITS == 2) {
+        iw[0] = (pl[0] & 0x33333333u) | ((pl[1] << 2) & 0xCCCCCCCCu);
+        iw[1] = ((pl[0] >> 2) & 0x33333333u) | (pl[1] & 0xCCCCCCCCu);
+    } else {
+        const uint32_t a3 = BITS >= 4 ? pl[3] : 0u;
+        const uint32_t b0 = (pl[0] & 0x0F0F0F0Fu) | ((pl[2] << 4) & 0xF0F0F0F0u);
+        const uint32_t b2 = ((pl[0] >> 4) & 0x0F0F0F0Fu) | (pl[2] & 0xF0F0F0F0u);
+        const uint32_t b1 = (pl[1] & 0x0F0F0F0Fu) | ((a3 << 4) & 0xF0F0F0F0u);
+        const uint32_t b3 = ((pl[1] >> 4) & 0x0F0F0F0Fu) | (a3 & 0xF0F0F0F0u);
+        iw[0] = (b0 & 0x33333333u) | ((b1 << 2) & 0xCCCCCCCCu);
+        iw[1] = ((b0 >> 2) & 0x33333333u) | (b1 & 0xCCCCCCCCu);
+        iw[2] = (b2 & 0x33333333u) | ((b3 << 2) & 0xCCCCCCCCu);
+        iw[3] = ((b2 >> 2) & 0x33333333u) | (b3 & 0xCCCCCCCCu);
+        if constexpr (BITS == 5) iw[4] = pl[4];
+    }
+}
+
+// Shared address of this lane's copy of T[index of pair (q, p)]; `base` = table address +
+// this lane's copy offset (64-byte aligned table).
+template <int BITS>
+__device__ __forceinline__ uint32_t pair_addr(const uint32_t (&iw)[5], int p, int q, uint32_t base,
+                                              uint32_t stride) {
+    if constexpr (BITS == 2) {  // 16 entries sit in 16 distinct banks: one copy, 4 idx | base
+        const uint32_t d = iw[p & 1];
+        const int nib = 2 * q + (p >> 1);
+        return (nib == 0 ? (d << 2) & 0x3Cu : (d >> (4 * nib - 2)) & 0x3Cu) | base;
+    } else if constexpr (BITS <= 4) {  // prmt: byte q, zero-extended
+        return __byte_perm(iw[p], 0u, 0x4440u | q) * stride + base;
+    } else {  // prmt: [byte q of iw[p], plane-4 bits of (q, p), 0, 0] = 10-bit index
+        const uint32_t e = (iw[4] >> (16 * (q >> 1) + 2 * p)) & 0x0303u;
+        return __byte_perm(iw[p], e, 0x6600u | ((4u + (q & 1)) << 4) | q) * stride + base;
+    }
+}
+
+__device__ __forceinline__ uint32_t even_bits(uint32_t x) {  // bits 0,2,4,6,8 -> 0..4
+    x &= 0x155u;
+    x = (x | (x >> 1)) & 0x133u;
+    x = (x | (x >> 2)) & 0x10Fu;
+    return (x | (x >> 4)) & 0x1Fu;
+}
+
+// Builds the pair table at `tbl` (64-byte aligned) from cbh[2^BITS] (scaled_code values, in
+// shared memory, visible to all threads): T[idx] = (cbh[lo], cbh[hi]), 2^copies_log2 copies.
+// Consecutive threads write consecutive 16-byte groups of copies (conflict-free); 4 copies per
+// store when copies >= 4, else one word per store. The caller synchronises before use.
+template <int BITS>
+__device__ __forceinline__ void build_pair_table(uint8_t* tbl, const uint16_t* cbh, int copies_log2,
+                                                 int tid, int nthreads) {
+    const int vec_log2 = copies_log2 >= 2 ? 2 : 0;
+    const int stores = 1 << (2 * BITS + copies_log2 - vec_log2);
+    for (int e = tid; e < stores; e += nthreads) {
+        const uint32_t idx = static_cast<uint32_t>(e) << vec_log2 >> copies_log2;
+        const uint32_t v =
+            cbh[even_bits(idx)] | static_cast<uint32_t>(cbh[even_bits(idx >> 1)]) << 16;
+        if (vec_log2 == 2) reinterpret_cast<uint4*>(tbl)[e] = make_uint4(v, v, v, v);
+        else reinterpret_cast<uint32_t*>(tbl)[e] = v;
+    }
+}
+
+// Two floats -> packed fp16x2 / bf16x2 bits (low half = first).
+template <bool BF16>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+    if constexpr (BF16) {
+        const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+        return *reinterpret_cast<const uint32_t*>(&h);
+    } else {
+        const __half2 h = __floats2half2_rn(lo, hi);
+        return *reinterpret_cast<const uint32_t*>(&h);
+    }
+}
+
+// One k-tile (128 columns) of one warp owning NT consecutive 16-row tiles and TM tokens:
+// NT x 8 k16 steps x TM/8 token fragments into acc.
+//   planes_s: this warp's first tile's bit planes in shared memory (tile i at + i * BITS * 256);
+//   absmax_s: its first tile's absmax (tile i at + i * 64);
+//   x_lane: shared address of this lane's ldmatrix row of the x tile (k-tile column 0; token
+//           rows kXRow bytes apart);
+//   tbl_lane / stride: this lane's table copy base and the entry stride (pair_addr).
+template <int BITS, int TM, int NT, bool BF16>
+__device__ __forceinline__ void tile_step(float (&acc)[NT][TM / 8][4], const uint8_t* planes_s,
+                                          const uint8_t* absmax_s, int lane, uint32_t tbl_lane,
+                                          uint32_t stride, uint32_t x_lane) {
+    uint2 planes[NT][BITS];  // this lane's 8 bytes of each plane: one coalesced 8-byte load
+    uint32_t sc[NT][2][2];   // [tile][row half h][blocks (0,2) | (1,3)] absmax half2 pairs
+#pragma unroll
+    for (int i = 0; i < NT; ++i) {
+#pragma unroll
+        for (int j = 0; j < BITS; ++j)
+            planes[i][j] =
+                *reinterpret_cast<const uint2*>(planes_s + (i * BITS + j) * 256 + lane * 8);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {  // rows g and g + 8: 4 bytes each (quad broadcast)
+            const uint32_t a =
+                *reinterpret_cast<const uint32_t*>(absmax_s + i * 64 + h * 32 + (lane >> 2) * 4);
+            sc[i][h][0] = absmax_pair<BF16>(a, 0);
+            sc[i][h][1] = absmax_pair<BF16>(a, 1);
+        }
+    }
+#pragma unroll
+    for (int w = 0; w < 2; ++w) {  // plane word w = blocks 2w, 2w + 1
+        uint32_t iw[NT][5];
+#pragma unroll
+        for (int i = 0; i < NT; ++i) {
+            uint32_t pl[BITS];
+#pragma unroll
+            for (int j = 0; j < BITS; ++j) pl[j] = w ? planes[i][j].y : planes[i][j].x;
+            index_words<BITS>(iw[i], pl);
+        }
+#pragma unroll
+        for (int b2 = 0; b2 < 2; ++b2) {  // block 2w + b2 = bytes q = 2 b2 + h
+#pragma unroll
+            for (int s = 0; s < 2; ++s) {  // k16 step kk: columns 16 kk .. 16 kk + 15 of the tile
+                const int kk = 4 * w + 2 * b2 + s;
+                uint32_t a[NT][4];  // A registers: {row g, row g+8} x {cols 2t.., cols 2t+8..}
+#pragma unroll
+                for (int i = 0; i < NT; ++i) {
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) {
+                        const int p = 2 * s + (r >> 1), h = r & 1;
+                        const uint32_t v =
+                            lds32(pair_addr<BITS>(iw[i], p, 2 * b2 + h, tbl_lane, stride));
+                        a[i][r] = mul_scale<BF16>(v, sc[i][h][b2], w);
+                    }
+                }
+                if constexpr (TM == 8) {
+                    uint32_t b[2];
+                    ldsm_x2(b, x_lane + kk * 32);
+#pragma unroll
+                    for (int i = 0; i < NT; ++i) mma_m16n8k16<BF16>(acc[i][0], a[i], b[0], b[1]);
+                } else {
+#pragma unroll
+                    for (int f = 0; f < TM / 16; ++f) {  // tokens 16f .. 16f + 15: 2 B fragments
+                        uint32_t b[4];
+                        ldsm_x4(b, x_lane + f * 16 * kXRow + kk * 32);
+#pragma unroll
+                        for (int i = 0; i < NT; ++i) {
+                            mma_m16n8k16<BF16>(acc[i][2 * f], a[i], b[0], b[1]);
+                            mma_m16n8k16<BF16>(acc[i][2 * f + 1], a[i], b[2], b[3]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ void cluster_sync() {  // release/acquire: smem writes become visible
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n"
+                 ::: "memory");
+}
+__device__ __forceinline__ uint32_t cluster_rank() {
+    uint32_t r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+    return r;
+}
+__device__ __forceinline__ float4 ld_dsmem(uint32_t local_addr, uint32_t rank) {
+    uint32_t remote;
+    float4 v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n"
+                 : "=r"(remote)
+                 : "r"(local_addr), "r"(rank));
+    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "r"(remote)
+                 : "memory");
+    return v;
+}
+#endif
+
+}  // namespace frag
+}  // namespace kbit
