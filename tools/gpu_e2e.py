@@ -724,11 +724,42 @@ def check_moe_compiled(ctx) -> bool:
                 f"load+compile {cg['load_s']} s")  # fmt: skip
 
 
+def check_tp2(ctx, which: str) -> bool:
+    """Tensor parallel 2 vs 1 on the same kbit4 checkpoint (needs 2 GPUs): greedy tokens agree
+    (near-ties aside: TP changes the reduction order) and step-0 top-1 logprobs within the
+    tolerance. Dense: TP=2 eager and TP=2 compiled + CUDA graphs; MoE (Qwen3-30B-A3B-shaped,
+    I=768 -> 384 per rank): TP=2 compiled + CUDA graphs."""
+    name = f"tp2_{which}"
+    if which == "dense":
+        model, timeout, tol = paths(Path(ctx.work))["kbit"], ctx.llm_timeout, LOGPROB_TOL
+        runs = [("tp1_eager", 1, True), ("tp2_eager", 2, True), ("tp2_compiled", 2, False)]
+    else:
+        model, timeout, tol = build_moe(Path(ctx.work), "qwen3")["kbit"], ctx.moe_timeout, MOE_LOGPROB_TOL
+        runs = [("tp1_eager", 1, True), ("tp2_compiled", 2, False)]
+    res = {}
+    for run, tp, eager in runs:
+        extra = ctx.compiled_timeout if not eager else 0
+        r, err = run_llm(f"{name}_{run}", tiny_llm_kw(model, eager=eager, tensor_parallel_size=tp),
+                         greedy_gens(), ctx, timeout + extra)  # fmt: skip
+        if r is None:
+            return emit(name, False, err)
+        res[run] = r["gens"]["b8"]
+    ref, parts, ok_all = res["tp1_eager"], [], True
+    for run in list(res)[1:]:
+        exact, ok, verdicts = agree_count(ref, res[run])
+        d0 = max(abs(top1_lp(a) - top1_lp(b)) for a, b in zip(ref, res[run], strict=True))
+        ok_all &= ok >= N_GREEDY - 1 and d0 <= tol
+        parts.append(f"{run} vs tp1_eager: seq agree {ok}/{N_GREEDY} (exact {exact}), max "
+                     f"|dlogprob top-1 step 0| {d0:.4f} (tol {tol}), verdicts {verdicts}")  # fmt: skip
+    return emit(name, ok_all, "; ".join(parts))
+
+
 CHECKS = {"prequant_greedy": check_prequant_greedy, "online_k5_vs_fp16": check_online_k5,
           "compiled_graphs": check_compiled, "dummy_online": check_dummy_online,
           "serve_openai": check_serve, "moe_qwen3": lambda ctx: check_moe(ctx, "qwen3"),
           "moe_mixtral": lambda ctx: check_moe(ctx, "mixtral"),
-          "moe_compiled": check_moe_compiled}  # fmt: skip
+          "moe_compiled": check_moe_compiled, "tp2_dense": lambda ctx: check_tp2(ctx, "dense"),
+          "tp2_moe": lambda ctx: check_tp2(ctx, "moe")}  # fmt: skip
 DEFAULT_CHECKS = ["prequant_greedy", "online_k5_vs_fp16", "compiled_graphs", "dummy_online",
                   "serve_openai"]  # the MoE checks take minutes each: run them by name
 

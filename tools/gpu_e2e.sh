@@ -5,6 +5,7 @@
 #   bash tools/gpu_e2e.sh moe_qwen3         (MoE checks, one per call: each takes minutes;
 #   bash tools/gpu_e2e.sh moe_mixtral        moe_compiled needs the CUDA kbit::moe kernel)
 #   bash tools/gpu_e2e.sh moe_compiled
+#   bash tools/gpu_e2e.sh tp2_dense tp2_moe  (2 GPUs: TP=2 vs TP=1 of the same checkpoint)
 # Logs: $OUT/e2e.log (combined), $OUT/e2e/<run>.log (one per LLM / server).
 # Per-check wall-clock limits (s) can be overridden: E2E_T_<check>=SECONDS; the whole run
 # stops starting checks at E2E_DEADLINE (default 560 s).
@@ -17,7 +18,8 @@ export VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0}
 LOG=$OUT/e2e.log; : > "$LOG"
 checks=("$@"); [ ${#checks[@]} -eq 0 ] && checks=(prequant_greedy online_k5_vs_fp16 compiled_graphs dummy_online serve_openai)
 declare -A T=([prequant_greedy]=330 [online_k5_vs_fp16]=330 [compiled_graphs]=270 [dummy_online]=230 [serve_openai]=230
-              [moe_qwen3]=540 [moe_mixtral]=480 [moe_compiled]=480)
+              [moe_qwen3]=540 [moe_mixtral]=480 [moe_compiled]=480
+              [tp2_dense]=540 [tp2_moe]=540)
 DEADLINE=${E2E_DEADLINE:-560}  # s for the whole driver (the caller's command has ~600 s)
 t_all=$SECONDS
 echo "== build checkpoints ($WORK)" | tee -a "$LOG"
