@@ -92,7 +92,7 @@ dequantize_tiled_kernel(const uint2* __restrict__ qweight, const uint32_t* __res
     const uint32_t amax[2] = {__ldg(absmax + int64_t{tile} * 16 + g),
                               __ldg(absmax + int64_t{tile} * 16 + 8 + g)};
     // Codebook in lane registers, looked up with a shuffle by code (lane i holds entry i).
-    const float cb = __ldg(codebook + (lane & ((1 << BITS) - 1)));
+    const float cb = cb_value(codebook, lane & ((1 << BITS) - 1));
 
     const int64_t nt = tile / k_tiles, kc = tile % k_tiles;
 #pragma unroll

@@ -44,6 +44,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <mutex>
 #include <type_traits>
 
@@ -295,7 +296,7 @@ __device__ __forceinline__ uint32_t pair_value(const float* cb, int idx, int e) 
         c0 |= ((idx >> (e + 2 * j)) & 1) << j;
         c1 |= ((idx >> (e + 1 + 2 * j)) & 1) << j;
     }
-    return Cvt<T>::pair(__ldg(cb + c0), __ldg(cb + c1));
+    return Cvt<T>::pair(cb_value(cb, c0), cb_value(cb, c1));
 }
 
 // Table of dequantized pairs (k=2: a pair of rows g and g+8), 32 copies per entry (k=5: 1 <<
@@ -401,6 +402,9 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_kernel(const Params p) {
     }
 
     fill_table<kBits, T>(smem, p.cb, p.row_shift);
+    // Up to here only constant data (weights, codebook) was read: with PDL this prologue overlaps
+    // the previous kernel's tail; x is that kernel's output.
+    pdl_wait();
     stage_x<T>(smem + p.table_bytes, p, k_begin, k_len);
     float* acc_s = reinterpret_cast<float*>(smem + p.acc_off);
     float* part_s = acc_s + n_cta * kTileN * p.M;
@@ -441,6 +445,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_kernel(const Params p) {
             }
         }
     }
+    pdl_trigger();  // the weights are streamed: the next kernel may start its prologue
     __syncthreads();
 
     // Output rows [16 n_begin, 16 (n_begin + n_cta)) of every token; padding rows >= n are skipped.
@@ -540,8 +545,23 @@ void launch(const Params& p, const Plan& plan, int device, int64_t smem_max, cud
         C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(smem_max)));
     });
-    kernel<<<plan.groups * plan.splits, kThreads, plan.smem, stream>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    // sm_90: programmatic dependent launch (table fill and the first weight loads overlap the
+    // previous kernel's tail; see pdl_wait). KBIT_NO_PDL=1 turns it off.
+    static const bool pdl = [&] {
+        const char* v = std::getenv("KBIT_NO_PDL");
+        return !(v && *v && *v != '0') && pdl_supported(kernel);
+    }();
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(plan.groups * plan.splits);
+    cfg.blockDim = dim3(kThreads);
+    cfg.dynamicSmemBytes = static_cast<size_t>(plan.smem);
+    cfg.stream = stream;
+    cudaLaunchAttribute attr;
+    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr.val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = &attr;
+    cfg.numAttrs = pdl ? 1 : 0;
+    C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
 }
 
 template <typename T>

@@ -2,6 +2,7 @@
 // Device twin of vllm_kbit/format.py + reference.py: E4M4 decode, layout constants and
 // host-side argument checks shared by every kbit kernel. Spec: docs/format.md.
 #pragma once
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -50,6 +51,39 @@ __device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[
             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
     }
+}
+
+// Programmatic dependent launch (sm_90): a kernel launched with the PDL attribute may start
+// while the previous kernel on the stream drains. It must not touch memory that earlier kernels
+// write (activations, outputs, workspaces) before pdl_wait(), which returns once they have
+// completed and flushed; constant data (weights, codebook) may be read before. pdl_trigger()
+// lets the next PDL kernel start its own prologue. Both are no-ops without PDL / before sm_90.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+// Host side: may `kernel` be launched with the PDL attribute? Only if the code that runs was
+// compiled for compute_90+ (else pdl_wait() is compiled out and the kernel would read its input
+// before the producer finished). Cached per kernel by the caller.
+template <typename Kernel>
+inline bool pdl_supported(Kernel kernel) {
+    cudaFuncAttributes fa;
+    C10_CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel));
+    return fa.ptxVersion >= 90 && fa.binaryVersion >= 90;
+}
+
+// Codebook entry as the format defines it: rounded to bf16 (8 significant bits; see
+// docs/format.md). The plugin only passes bf16-exact codebooks; rounding here as well makes
+// every op equal to the reference for any float32 codebook a caller passes.
+__device__ __forceinline__ float cb_value(const float* cb, int i) {
+    return __bfloat162float(__float2bfloat16_rn(__ldg(cb + i)));
 }
 
 // Sizes of the runtime layout of W[n, k].

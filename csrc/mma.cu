@@ -160,7 +160,7 @@ __global__ void __launch_bounds__(kThreads, TM <= 32 ? 2 : 1) mma_kernel(const P
         if (s < nk) load_next();
         cp_async_commit();
     }
-    if (tid < (1 << BITS)) cbh[tid] = scaled_code<BF16>(p.cb[tid]);
+    if (tid < (1 << BITS)) cbh[tid] = scaled_code<BF16>(cb_value(p.cb, tid));
     __syncthreads();
     const uint32_t tbl_base = (s_base + 63u) & ~63u;  // < s_base + 64
     // T[idx] = (cb[lo], cb[hi]) 2^S; visible after the main loop's first barrier.

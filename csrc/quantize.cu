@@ -62,8 +62,8 @@ quantize_kernel(const T* __restrict__ weight, const float* __restrict__ codebook
     // kept in registers: the code search below is kMids compare-and-adds with no memory.
     __shared__ float s_mid[kMids];
     if (threadIdx.x < kMids)
-        s_mid[threadIdx.x] =
-            __fmul_rn(__fadd_rn(codebook[threadIdx.x], codebook[threadIdx.x + 1]), 0.5f);
+        s_mid[threadIdx.x] = __fmul_rn(
+            __fadd_rn(cb_value(codebook, threadIdx.x), cb_value(codebook, threadIdx.x + 1)), 0.5f);
     __syncthreads();
     float mid[kMids];
 #pragma unroll
@@ -113,7 +113,7 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32)
 dequantize_kernel(const uint32_t* __restrict__ qweight, const uint8_t* __restrict__ absmax,
                   const float* __restrict__ codebook, T* __restrict__ out, int64_t n_blocks) {
     const int lane = threadIdx.x & 31;
-    const float cb = codebook[lane & ((1 << BITS) - 1)];
+    const float cb = cb_value(codebook, lane & ((1 << BITS) - 1));
     const int64_t stride = int64_t{gridDim.x} * kWarpsPerCta;
     for (int64_t blk = int64_t{blockIdx.x} * kWarpsPerCta + threadIdx.x / 32; blk < n_blocks;
          blk += stride) {
