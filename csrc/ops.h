@@ -4,6 +4,7 @@
 #pragma once
 #include <torch/all.h>
 
+#include <optional>
 #include <tuple>
 
 namespace kbit {
@@ -30,5 +31,13 @@ at::Tensor mma(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor&
 // linear.cu: picks gemv / mma / dequantize_tiled + cuBLAS from M (KBIT_FORCE_KERNEL overrides).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& absmax,
                   const at::Tensor& codebook, int64_t bits, int64_t n);
+// moe.cu: routed experts of one MoE layer (gate_up + gated activation + down + top-k weighted
+// sum) on per-expert tiled weights [E, words]; contract in vllm_kbit/reference_moe.py.
+at::Tensor moe(const at::Tensor& x, const at::Tensor& w13_qweight, const at::Tensor& w13_absmax,
+               const at::Tensor& w2_qweight, const at::Tensor& w2_absmax,
+               const at::Tensor& codebook, const at::Tensor& topk_weights,
+               const at::Tensor& topk_ids, const std::optional<at::Tensor>& expert_map,
+               int64_t bits, int64_t inter_size, c10::string_view activation,
+               bool apply_router_weight_on_input);
 
 }  // namespace kbit

@@ -42,5 +42,38 @@ for bits in BITS:
                     err = ((y - want).norm() / want.norm()).item()
                     assert err < 2e-2, f"{path} bits={bits} n={n} k={k} m={m} {dtype}: rel err {err}"
 os.environ.pop("KBIT_FORCE_KERNEL", None)
+
+# kbit::moe: in-CTA routing and the routing kernel, cluster / workspace split-K, per-slot rows
+# and atomics, an expert map with -1, a partial column group (I = 96) and k-tile (H = 160).
+# (the CUDA kernel is opt-in: KBIT_MOE_KERNEL=1; otherwise kbit::moe is the reference on CUDA)
+if hasattr(K_OPS, "moe") and "moe" not in getattr(ops, "_cuda_reference_ops", ["moe"]):
+    from vllm_kbit import reference_moe
+
+    E, H, I = 8, 160, 96
+    for bits in BITS:
+        cb = default_codebook(bits).to(dev)
+        exp = []
+        for n, k in ((2 * I, H), (H, I)):
+            qa = [K_OPS.repack(*K_OPS.quantize(torch.randn(n, k, device=dev) * 0.05, cb, bits), bits)
+                  for _ in range(E)]
+            exp += [torch.stack([q for q, _ in qa]), torch.stack([a for _, a in qa])]
+        emap = torch.tensor([0, -1, 1, 2, -1, 3, 4, 5, 6, 7], dtype=torch.int32, device=dev)
+        for dtype in DTYPES:
+            for t, topk, env in ((1, 2, {}), (3, 2, {"KBIT_MOE_SPLITS": "2"}),
+                                 (5, 2, {"KBIT_MOE_SPLITS": "2", "KBIT_MOE_NO_CLUSTER": "1"}),
+                                 (150, 2, {}), (40, 8, {"KBIT_MOE_ATOMIC": "1"}),
+                                 (64, 1, {"KBIT_MOE_TM": "64"})):
+                for k, v in env.items():
+                    os.environ[k] = v
+                x = torch.randn(t, H, device=dev, dtype=dtype)
+                tw = torch.rand(t, topk, device=dev)
+                ids = torch.randint(0, 10, (t, topk), device=dev, dtype=torch.int32)
+                y = K_OPS.moe(x, *exp[:2], *exp[2:], cb, tw, ids, emap, bits, I, "silu", False)
+                want = reference_moe.moe_tiled(x, *exp[:2], *exp[2:], cb, tw, ids, emap, bits, I,
+                                               "silu", False)
+                err = ((y.float() - want.float()).norm() / want.float().norm().clamp_min(1e-9)).item()
+                assert err < 2e-2, f"moe bits={bits} t={t} {env} {dtype}: rel err {err}"
+                for k in env:
+                    os.environ.pop(k)
 torch.cuda.synchronize()
 print("sanitize cases ok")

@@ -1,0 +1,1068 @@
+// SPDX-License-Identifier: Apache-2.0
+// kbit::moe: the routed experts of one MoE layer (vLLM's fused_experts) on k-bit weights in the
+// runtime tiled layout, one row of w13_* / w2_* per local expert (contract: reference_moe.py).
+//
+//   out[t] = sum_j w[t, j] * down_e(act(gate_e(x_t)) * up_e(x_t)),  e = local expert of slot (t, j)
+//
+// Launches (one per stage, all on the current stream, no host sync, CUDA-graph safe):
+//  1. route (only when T * topk > 256): one CTA sorts the slots s = t * topk + j by local expert
+//     (counting sort, shared-memory atomics) and lists the work tiles (expert, first sorted slot,
+//     rows) of TM slots each. With <= 256 slots every GEMM CTA derives its own tile from
+//     topk_ids instead (a histogram and a scan over the experts in shared memory): no extra
+//     launch on the decode path.
+//  2. gate_up GEMM, grid (I/128 column groups, K splits, max tiles): a CTA of 8 warps computes
+//     128 gate and the matching 128 up rows of one expert for the TM slots of one tile, gathering
+//     the token rows of x with cp.async, and applies the gated activation in its epilogue:
+//     act_buf[s, :] = act(h_gate) * h_up, with h rounded to x.dtype and the product rounded once.
+//  3. down GEMM, grid (H/256, K splits, max tiles), on act_buf rows; its epilogue either writes
+//     fp32 per-slot rows (deterministic; T * topk * H * 4 <= 32 MB or KBIT_MOE_DETERMINISTIC=1) or
+//     adds w[t, j] * row to an fp32 [T, H] accumulator with atomics (large T: half the traffic).
+//  4. combine: out[t] = sum_j w[t, j] * row(t, j) in slot order (or the accumulator), rounded once.
+// Both GEMMs run the fused-dequant main loop of mma.cu (frag_dequant.cuh): a cp.async ring of
+// k-tiles (16 weight tiles + the TM gathered activation rows), A fragments from the pair table,
+// fp32 absmax per 32-column block. Only experts that received slots are read: the grid is sized
+// for the worst case and CTAs without a tile exit at once. Split-K (decode: few slots per expert)
+// reduces through distributed shared memory in a thread-block cluster on sm_90, through an fp32
+// workspace elsewhere. On sm_90 the GEMMs and the combine are launched with programmatic
+// dependent launch: the down GEMM builds its table, routes and prefetches its first weight
+// k-tiles while the gate_up GEMM finishes, and waits (griddepcontrol.wait) before it reads
+// act_buf.
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <unordered_map>
+
+#include "frag_dequant.cuh"
+#include "kbit_format.cuh"
+#include "ops.h"
+
+namespace kbit {
+namespace {
+
+using namespace frag;
+
+constexpr int kThreads = 256;                      // 8 warps
+constexpr int kNT = 2;                             // 16-row tiles per warp
+constexpr int kGroupTiles = kThreads / 32 * kNT;   // 16 tiles = 256 weight rows per CTA
+constexpr int kGroupRows = kGroupTiles * kTileN;
+constexpr int kOutRow = kGroupRows + 4;            // floats per token row of the epilogue tile
+constexpr int kMaxSplits = 8;                      // portable cluster size
+constexpr int kMaxStages = 4;
+constexpr int kSmallSlots = kThreads;              // <= this many slots: routing inside the CTAs
+constexpr int kRouteThreads = 1024;
+constexpr int kMaxExperts = 4096;                  // routing histograms live in shared memory
+constexpr int64_t kSlotsMaxBytes = int64_t{32} << 20;  // per-slot fp32 rows up to this size
+
+enum Gemm : int { kGateUp = 0, kDown = 1 };
+enum Mode : int { kDirect = 0, kCluster = 1, kWorkspace = 2 };
+enum OutMode : int { kSlots = 0, kAtomic = 1 };
+enum Act : int { kSilu = 0, kGelu = 1, kGeluTanh = 2 };
+
+// Where the slots of a call go: the local expert of slot s, and (routing kernel) the sorted
+// slots and tile list.
+struct Routing {
+    const int32_t* ids32;  // topk_ids [S] (one of ids32 / ids64 is set)
+    const int64_t* ids64;
+    const int32_t* emap;   // expert_map [emap_n] or null
+    int emap_n;
+    int S, topk, E;        // slots (T * topk), slots per token, local experts
+    const int* sorted;     // [S] slots sorted by expert (null: the CTAs route themselves)
+    const int4* tiles;     // [max_tiles] {expert, first sorted index, rows, 0}
+    const int* num_tiles;  // [1]
+};
+
+// Local expert of slot s, or -1 (another rank's expert, or an id outside the tables).
+__device__ __forceinline__ int local_expert(const Routing& r, int s) {
+    int64_t g = r.ids64 ? r.ids64[s] : static_cast<int64_t>(r.ids32[s]);
+    if (r.emap) {
+        if (g < 0 || g >= r.emap_n) return -1;
+        g = r.emap[g];
+    }
+    return g >= 0 && g < r.E ? static_cast<int>(g) : -1;
+}
+
+struct GemmParams {
+    Routing rt;
+    const uint8_t* x;       // gate_up: x [T, ldx] (row = slot / topk); down: act_buf [S, I]
+    int64_t ldx_bytes;
+    const uint8_t* qw;      // [E][tiled planes]
+    const uint8_t* am;      // [E][tiled absmax]
+    int64_t qw_expert, am_expert;  // bytes per expert
+    const float* cb;
+    const float* topk_w;    // [S]
+    void* out;              // gate_up: act_buf [S, I] dtype; down: fp32 [S, H] (kSlots) or [T, H]
+    float* ws;              // kWorkspace: fp32 partials [splits][S][n_ws]
+    float4* zero_buf;       // gate_up: the down GEMM's atomic accumulator, cleared here
+    int64_t zero_count;     // float4 units
+    int gemm, K, n_tiles, k_tiles, half_tiles, n_out, n_ws;
+    int kchunk, splits, stages, mode, out_mode, act, weight_on_input, copies_log2, ring_off;
+    int64_t debug;          // KBIT_MOE_DEBUG: bytes of x (bounds-checks the gathers)
+    int64_t* dbg;           // KBIT_MOE_DEBUG: per-CTA records [2][64][40]
+    int dbg_level;          // 1: stop after routing, 2: after the prologue, 3: after the main loop
+};
+
+template <int BITS, int TM>
+struct Layout {
+    static constexpr int kW = kGroupTiles * BITS * 256;  // bit planes of 16 tiles
+    static constexpr int kA = kGroupTiles * 64;          // absmax of 16 tiles
+    static constexpr int kStage = kW + kA + TM * kXRow;
+    static constexpr int kOut = TM * kOutRow * 4;
+};
+
+// ------------------------------------------------------------------------ device helpers
+
+__device__ __forceinline__ void pdl_wait() {  // no-op unless launched as a PDL secondary
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+// Exclusive prefix sum over the block (blockDim.x a multiple of 32, <= 1024); `total` gets the
+// sum. `ws` holds 33 ints of shared memory; contains barriers (all threads must call).
+__device__ __forceinline__ int block_exclusive_scan(int v, int* ws, int& total) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    int inc = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int n = __shfl_up_sync(0xFFFFFFFFu, inc, o);
+        if (lane >= o) inc += n;
+    }
+    if (lane == 31) ws[warp] = inc;
+    __syncthreads();
+    if (warp == 0) {
+        const int w = lane < nw ? ws[lane] : 0;
+        int wi = w;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int n = __shfl_up_sync(0xFFFFFFFFu, wi, o);
+            if (lane >= o) wi += n;
+        }
+        ws[lane] = wi - w;
+        if (lane == 31) ws[32] = wi;
+    }
+    __syncthreads();
+    const int r = ws[warp] + inc - v;
+    total = ws[32];
+    __syncthreads();  // ws may be reused right away
+    return r;
+}
+
+template <bool BF16>
+__device__ __forceinline__ float round_to(float v) {
+    if constexpr (BF16) return __bfloat162float(__float2bfloat16_rn(v));
+    else return __half2float(__float2half_rn(v));
+}
+
+__device__ __forceinline__ float act_fn(float v, int act) {
+    if (act == kSilu) return v / (1.0f + expf(-v));
+    if (act == kGelu) return 0.5f * v * (1.0f + erff(v * 0.70710678118654752f));
+    const float inner = 0.79788456080286536f * (v + 0.044715f * v * v * v);  // sqrt(2/pi)
+    return 0.5f * v * (1.0f + tanhf(inner));
+}
+
+// act(h_gate) * h_up for 4 columns: h rounded to the dtype, product in fp32 rounded once
+// (reference_moe.moe_tiled). `wm` = router weight applied to the fp32 sums first (or 1).
+template <bool BF16>
+__device__ __forceinline__ uint2 act_mul4(float4 g, float4 u, float wm, int act) {
+    auto one = [&](float gv, float uv) {
+        return act_fn(round_to<BF16>(gv * wm), act) * round_to<BF16>(uv * wm);
+    };
+    return make_uint2(pack2<BF16>(one(g.x, u.x), one(g.y, u.y)),
+                      pack2<BF16>(one(g.z, u.z), one(g.w, u.w)));
+}
+
+__device__ __forceinline__ void atomic_add4(float* dst, float4 v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    atomicAdd(reinterpret_cast<float4*>(dst), v);
+#else
+    atomicAdd(dst, v.x), atomicAdd(dst + 1, v.y), atomicAdd(dst + 2, v.z), atomicAdd(dst + 3, v.w);
+#endif
+}
+
+__device__ __forceinline__ float4 f4add(float4 a, float4 b) {
+    return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
+}
+__device__ __forceinline__ float4 f4mul(float4 a, float s) {
+    return make_float4(a.x * s, a.y * s, a.z * s, a.w * s);
+}
+
+// The tile of CTA z: its expert (-1: none), rows, and the slots of its rows in s_slot[0, rows).
+// Small calls (no routing kernel): counts per expert in `scratch` (E ints), tiles in expert
+// order, slots of an expert in slot order. Contains barriers; the result is uniform per CTA.
+template <int TM>
+__device__ __forceinline__ void find_tile(const Routing& rt, int z, int* s_slot, int* s_misc,
+                                          int* scan_ws, int* scratch, int& expert, int& rows) {
+    const int tid = threadIdx.x;
+    if (rt.sorted != nullptr) {
+        if (tid == 0) {
+            int e = -1, n = 0, first = 0;
+            if (z < *rt.num_tiles) {
+                const int4 t = rt.tiles[z];
+                e = t.x, first = t.y, n = t.z;
+            }
+            s_misc[0] = e, s_misc[1] = n, s_misc[2] = first;
+        }
+        __syncthreads();
+        expert = s_misc[0], rows = s_misc[1];
+        if (expert >= 0 && tid < rows) s_slot[tid] = rt.sorted[s_misc[2] + tid];
+        __syncthreads();
+        return;
+    }
+    int* cnt = scratch;
+    for (int e = tid; e < rt.E; e += kThreads) cnt[e] = 0;
+    if (tid == 0) s_misc[0] = -1;
+    __syncthreads();
+    const int my_e = tid < rt.S ? local_expert(rt, tid) : -1;
+    if (my_e >= 0) atomicAdd(&cnt[my_e], 1);
+    __syncthreads();
+    const int per = (rt.E + kThreads - 1) / kThreads, e0 = tid * per, e1 = min(rt.E, e0 + per);
+    int mine = 0;
+    for (int e = e0; e < e1; ++e) mine += (cnt[e] + TM - 1) / TM;
+    int total;
+    int start = block_exclusive_scan(mine, scan_ws, total);
+    if (z >= start && z < start + mine) {
+        for (int e = e0; e < e1; ++e) {
+            const int t = (cnt[e] + TM - 1) / TM;
+            if (z < start + t) {
+                s_misc[0] = e, s_misc[1] = z - start;
+                break;
+            }
+            start += t;
+        }
+    }
+    __syncthreads();
+    expert = s_misc[0];
+    if (expert < 0) return;
+    const int j = s_misc[1];
+    rows = min(TM, cnt[expert] - j * TM);
+    // rank of my slot among the expert's slots, in slot order
+    const bool m = my_e == expert;
+    const unsigned bal = __ballot_sync(0xFFFFFFFFu, m);
+    const int lane = tid & 31, warp = tid >> 5;
+    if (lane == 0) scan_ws[warp] = __popc(bal);
+    __syncthreads();
+    int rank = __popc(bal & ((1u << lane) - 1u));
+    for (int w = 0; w < warp; ++w) rank += scan_ws[w];
+    if (m && rank >= j * TM && rank < j * TM + TM) s_slot[rank - j * TM] = tid;
+    __syncthreads();
+}
+
+// ------------------------------------------------------------------------------ kernels
+
+// Grid (column groups, splits, max tiles). gemm = kGateUp: local tiles 0-7 are gate tiles
+// 8 g .. 8 g + 7, tiles 8-15 the matching up tiles (I/16 + 8 g ..); kDown: tiles 16 g .. 16 g + 15.
+template <int BITS, int TM, bool BF16>
+__global__ void __launch_bounds__(kThreads, TM <= 32 ? 2 : 1) moe_gemm_kernel(const GemmParams p) {
+    using L = Layout<BITS, TM>;
+    extern __shared__ __align__(16) uint8_t smem[];
+    __shared__ uint16_t cbh[32];
+    __shared__ int s_slot[TM];
+    __shared__ int64_t s_row[TM];
+    __shared__ int s_misc[4];
+    __shared__ int scan_ws[33];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int grp = blockIdx.x, z = blockIdx.z;
+    const int kbeg = blockIdx.y * p.kchunk, nk = min(p.kchunk, p.k_tiles - kbeg);
+    const uint32_t s_base = smem_u32(smem);
+    const bool gate_up = p.gemm == kGateUp;
+
+    // gate_up reads the outputs of earlier kernels (x, topk_*): wait for them first (a no-op
+    // without PDL), then let the down GEMM launch. The down GEMM reads only data that was complete
+    // when the gate_up GEMM started (weights, codebook, topk_ids, routing lists) before its wait.
+    if (gate_up) {
+        pdl_wait();
+        pdl_trigger();
+    }
+    if (tid < (1 << BITS)) cbh[tid] = scaled_code<BF16>(cb_value(p.cb, tid));
+    __syncthreads();
+    const uint32_t tbl_base = (s_base + 63u) & ~63u;  // 64-byte aligned, < s_base + 64
+    build_pair_table<BITS>(smem + (tbl_base - s_base), cbh, p.copies_log2, tid, kThreads);
+
+    if (gate_up) {
+        if (p.zero_buf != nullptr) {  // clear the down GEMM's accumulator (it runs after us)
+            const int64_t nb = int64_t{gridDim.x} * gridDim.y * gridDim.z;
+            const int64_t b = (int64_t{blockIdx.z} * gridDim.y + blockIdx.y) * gridDim.x + grp;
+            for (int64_t i = b * kThreads + tid; i < p.zero_count; i += nb * kThreads)
+                p.zero_buf[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+    }
+    int expert, rows = 0;
+    find_tile<TM>(p.rt, z, s_slot, s_misc, scan_ws, reinterpret_cast<int*>(smem + p.ring_off),
+                  expert, rows);
+    if (expert < 0) return;  // uniform per cluster: its CTAs share z
+
+    // Copy roles, fixed per thread (sources advance by one k-tile per load):
+    //  planes: 16-byte chunk (tid & 15) + 16 j of tile tid / 16; absmax: tid < 64, chunk tid & 3
+    //  of tile tid / 4; x: rows tid / 16 + 16 i, columns 8 (tid & 15) .. + 7 of the k-tile.
+    // Tiles past n read a valid tile and are zero-filled; so are rows >= `rows`, cols >= K.
+    auto tile_of = [&](int i, bool& ok) {  // local tile -> n-tile of the expert's weight
+        if (gate_up) {
+            const int h = grp * 8 + (i & 7);
+            ok = h < p.half_tiles;
+            return (i < 8 ? 0 : p.half_tiles) + min(h, p.half_tiles - 1);
+        }
+        const int t = grp * kGroupTiles + i;
+        ok = t < p.n_tiles;
+        return min(t, p.n_tiles - 1);
+    };
+    const int w_tile = tid >> 4, a_tile = (tid >> 2) & (kGroupTiles - 1), x_row = tid >> 4;
+    bool w_ok, a_ok;
+    const int w_nt = tile_of(w_tile, w_ok), a_nt = tile_of(a_tile, a_ok);
+    const uint8_t* w_next = p.qw + expert * p.qw_expert +
+                            (int64_t{w_nt} * p.k_tiles + kbeg) * (BITS * 256) + (tid & 15) * 16;
+    const uint8_t* a_next =
+        p.am + expert * p.am_expert + (int64_t{a_nt} * p.k_tiles + kbeg) * 64 + (tid & 3) * 16;
+    constexpr int kXJ = TM >= 16 ? TM / 16 : 1;  // x rows per thread
+    const int x_col = (tid & 15) * 8;
+    int x_k = kbeg * kTileK + x_col;
+    // byte offset of each tile row's source row (gate_up: the token of the slot) in x, or -1
+    if (tid < TM) {
+        const int64_t src = tid < rows ? (gate_up ? s_slot[tid] / p.rt.topk : s_slot[tid]) : -1;
+        s_row[tid] = src >= 0 ? src * p.ldx_bytes : int64_t{-1};
+    }
+    __syncthreads();
+    if (p.dbg != nullptr && tid == 0) {
+        const int bid = (blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+        if (bid < 64) {
+            int64_t* r = p.dbg + (p.gemm * 64 + bid) * 40;
+            r[0] = 1, r[1] = p.gemm, r[2] = blockIdx.x, r[3] = blockIdx.y, r[4] = blockIdx.z;
+            r[5] = expert, r[6] = rows, r[7] = kbeg, r[8] = nk, r[9] = p.stages, r[10] = p.ring_off;
+            r[11] = p.copies_log2, r[12] = p.rt.S, r[13] = p.rt.topk, r[14] = p.rt.E;
+            for (int i = 0; i < 8 && i < TM; ++i) r[15 + i] = s_slot[i], r[23 + i] = s_row[i];
+            r[31] = reinterpret_cast<int64_t>(p.x), r[32] = p.ldx_bytes;
+            r[33] = reinterpret_cast<int64_t>(p.qw), r[34] = p.qw_expert, r[35] = p.K;
+            r[36] = p.k_tiles, r[37] = p.kchunk, r[38] = x_k, r[39] = s_base;
+        }
+    }
+    if (p.dbg_level == 1) return;
+    int load_slot = 0;
+    auto load_w = [&]() {  // weights of the next k-tile into the next ring slot
+        const uint32_t st = s_base + p.ring_off + load_slot * L::kStage;
+#pragma unroll
+        for (int j = 0; j < BITS; ++j)
+            cp_async16(st + w_tile * (BITS * 256) + (tid & 15) * 16 + j * 256, w_next + j * 256,
+                       w_ok);
+        if (tid < kGroupTiles * 4) cp_async16(st + L::kW + tid * 16, a_next, a_ok);
+        w_next += BITS * 256, a_next += 64;
+    };
+    auto load_x = [&]() {  // the same k-tile's activation rows
+        const uint32_t st = s_base + p.ring_off + load_slot * L::kStage;
+        const bool k_ok = x_k < p.K;
+#pragma unroll
+        for (int i = 0; i < kXJ; ++i) {
+            if (TM >= 16 || tid < TM * 16) {
+                const int64_t row_off = s_row[x_row + 16 * i];
+                const uint8_t* src = p.x;  // any valid address when nothing is copied
+                bool ok = false;
+                if (row_off >= 0 && k_ok) {
+                    src = p.x + (row_off + 2 * static_cast<int64_t>(x_k));
+                    ok = true;
+                }
+                if (p.debug) {
+                    const bool inside = src >= p.x && src + 16 <= p.x + p.debug;
+                    if (!inside) ok = false, src = p.x;
+                }
+                cp_async16(st + L::kW + L::kA + (x_row + 16 * i) * kXRow + x_col * 2, src, ok);
+            }
+        }
+        x_k += kTileK;
+        load_slot = load_slot + 1 == p.stages ? 0 : load_slot + 1;
+    };
+
+    // Prologue: the first stages-1 k-tiles' weights, then (down GEMM: after waiting for the
+    // gate_up GEMM) their activations, as one commit group.
+    const int pre = min(p.stages - 1, nk);
+    {
+        const int keep = load_slot;
+        for (int s = 0; s < pre; ++s) {
+            load_w();
+            load_slot = load_slot + 1 == p.stages ? 0 : load_slot + 1;
+        }
+        load_slot = keep;
+    }
+    if (!gate_up) pdl_wait();
+    for (int s = 0; s < pre; ++s) load_x();
+    cp_async_commit();
+    if (p.dbg_level == 2) {
+        cp_async_wait<0>();
+        __syncthreads();
+        return;
+    }
+
+    const int g = lane >> 2, t = lane & 3;
+    const uint32_t tbl_lane = tbl_base + (lane & ((1 << p.copies_log2) - 1)) * 4;
+    const uint32_t stride = 4u << p.copies_log2;
+    const int x_tok = TM == 8 ? (lane & 7) : (lane & 7) + ((lane >> 4) << 3);
+    const uint32_t x_lane0 = s_base + L::kW + L::kA + x_tok * kXRow + ((lane >> 3) & 1) * 16;
+    bool warp_busy;
+    tile_of(warp * kNT, warp_busy);
+
+    float acc[kNT][TM / 8][4];
+#pragma unroll
+    for (int i = 0; i < kNT; ++i)
+#pragma unroll
+        for (int f = 0; f < TM / 8; ++f)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][f][e] = 0.f;
+
+    int slot = 0;
+#pragma unroll 1
+    for (int it = 0; it < nk; ++it) {
+        // k-tile `it` has landed once at most min(it, stages-2) younger groups are pending (the
+        // prologue is one group); the barrier also frees slot (it-1) % stages for the refill.
+        const int allow = min(it, p.stages - 2);
+        if (allow >= 2) cp_async_wait<2>();
+        else if (allow == 1) cp_async_wait<1>();
+        else cp_async_wait<0>();
+        __syncthreads();
+        if (it + p.stages - 1 < nk) {
+            load_w();
+            load_x();
+        }
+        cp_async_commit();
+        const int stage = p.ring_off + slot * L::kStage;
+        if (warp_busy)
+            tile_step<BITS, TM, kNT, BF16>(acc, smem + stage + warp * kNT * BITS * 256,
+                                           smem + stage + L::kW + warp * kNT * 64, lane, tbl_lane,
+                                           stride, x_lane0 + stage);
+        slot = slot + 1 == p.stages ? 0 : slot + 1;
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // the ring and the table are dead: reuse them for the output tile
+    if (p.dbg_level == 3) return;
+
+    // Accumulators -> out[token][row] (c0,c1: row g, tokens 2t, 2t+1; c2,c3: row g + 8).
+    float* out = reinterpret_cast<float*>(smem);
+#pragma unroll
+    for (int i = 0; i < kNT; ++i)
+#pragma unroll
+        for (int f = 0; f < TM / 8; ++f) {
+            const int row = (warp * kNT + i) * kTileN + g, tok = f * 8 + 2 * t;
+            out[tok * kOutRow + row] = acc[i][f][0];
+            out[(tok + 1) * kOutRow + row] = acc[i][f][1];
+            out[tok * kOutRow + row + 8] = acc[i][f][2];
+            out[(tok + 1) * kOutRow + row + 8] = acc[i][f][3];
+        }
+
+    // Write-out in float4 units (4 rows of one token). gate_up: unit = (token, 4 gate rows), its
+    // up rows are 128 further; down: unit = (token, 4 rows).
+    const int unit_rows = gate_up ? kGroupRows / 2 : kGroupRows;
+    const int row_units = unit_rows / 4, units = TM * row_units;
+    const int c0 = grp * unit_rows;  // first output column of this CTA
+    auto emit = [&](int u, auto fetch) {
+        const int tok = u / row_units, r4 = (u - tok * row_units) * 4, c = c0 + r4;
+        if (tok >= rows || c >= p.n_out) return;
+        const int s = s_slot[tok];
+        const int off = tok * kOutRow + r4;
+        if (p.mode == kWorkspace) {  // raw fp32 partials of this split
+            float* w = p.ws + (int64_t{blockIdx.y} * p.rt.S + s) * p.n_ws + c;
+            *reinterpret_cast<float4*>(w) = fetch(off);
+            if (gate_up) *reinterpret_cast<float4*>(w + p.n_out) = fetch(off + unit_rows);
+            return;
+        }
+        if (gate_up) {
+            const float wm = p.weight_on_input ? p.topk_w[s] : 1.0f;
+            const uint2 v = act_mul4<BF16>(fetch(off), fetch(off + unit_rows), wm, p.act);
+            *reinterpret_cast<uint2*>(static_cast<uint8_t*>(p.out) +
+                                      (int64_t{s} * p.n_out + c) * 2) = v;
+        } else if (p.out_mode == kAtomic) {
+            const float wm = p.weight_on_input ? 1.0f : p.topk_w[s];
+            atomic_add4(static_cast<float*>(p.out) + int64_t{s / p.rt.topk} * p.n_out + c,
+                        f4mul(fetch(off), wm));
+        } else {
+            *reinterpret_cast<float4*>(static_cast<float*>(p.out) + int64_t{s} * p.n_out + c) =
+                fetch(off);
+        }
+    };
+    if (p.mode == kCluster) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        // The splits of this tile are one cluster: rank r finishes units [r*per, (r+1)*per),
+        // adding all ranks' partial tiles in rank order (deterministic); the second cluster
+        // barrier keeps every CTA's shared memory alive until all remote reads are done.
+        cluster_sync();
+        const int rank = static_cast<int>(cluster_rank()), per = (units + p.splits - 1) / p.splits;
+        const int nsplit = p.splits;
+        for (int u = rank * per + tid; u < min(units, (rank + 1) * per); u += kThreads)
+            emit(u, [&](int off) {
+                const uint32_t addr = s_base + off * 4;
+                float4 v = ld_dsmem(addr, 0);
+                for (int src = 1; src < nsplit; ++src) v = f4add(v, ld_dsmem(addr, src));
+                return v;
+            });
+        cluster_sync();
+#endif
+        return;
+    }
+    __syncthreads();
+    for (int u = tid; u < units; u += kThreads)
+        emit(u, [&](int off) { return *reinterpret_cast<const float4*>(out + off); });
+}
+
+// Single-CTA routing for T * topk > kSmallSlots: counting sort of the slots by local expert and
+// the tile list (TM slots per tile, experts in order). Within an expert the order of the slots
+// is arbitrary (shared-memory atomics); every row's result is independent of its position.
+struct RouteParams {
+    Routing rt;
+    int* sorted;
+    int4* tiles;
+    int* num_tiles;
+    int tile_m;  // TM
+};
+
+__global__ void __launch_bounds__(kRouteThreads) moe_route_kernel(const RouteParams p) {
+    extern __shared__ int rsm[];  // cnt[E], cursor[E]
+    __shared__ int scan_ws[33];
+    const int tid = threadIdx.x, E = p.rt.E;
+    int* cnt = rsm;
+    int* cur = rsm + E;
+    pdl_wait();
+    pdl_trigger();
+    for (int e = tid; e < E; e += kRouteThreads) cnt[e] = 0;
+    __syncthreads();
+    for (int s = tid; s < p.rt.S; s += kRouteThreads) {
+        const int e = local_expert(p.rt, s);
+        if (e >= 0) atomicAdd(&cnt[e], 1);
+    }
+    __syncthreads();
+    const int per = (E + kRouteThreads - 1) / kRouteThreads, e0 = tid * per,
+              e1 = min(E, e0 + per);
+    int n = 0, nt = 0;
+    for (int e = e0; e < e1; ++e) n += cnt[e], nt += (cnt[e] + p.tile_m - 1) / p.tile_m;
+    int total, total_tiles;
+    int off = block_exclusive_scan(n, scan_ws, total);
+    int toff = block_exclusive_scan(nt, scan_ws, total_tiles);
+    for (int e = e0; e < e1; ++e) {
+        const int c = cnt[e];
+        cur[e] = off;
+        for (int j = 0; j * p.tile_m < c; ++j)
+            p.tiles[toff++] = make_int4(e, off + j * p.tile_m, min(p.tile_m, c - j * p.tile_m), 0);
+        off += c;
+    }
+    if (tid == 0) *p.num_tiles = total_tiles;
+    __syncthreads();
+    for (int s = tid; s < p.rt.S; s += kRouteThreads) {
+        const int e = local_expert(p.rt, s);
+        if (e >= 0) p.sorted[atomicAdd(&cur[e], 1)] = s;
+    }
+}
+
+// gate_up split-K through the workspace (no clusters): sum the splits, then the activation.
+template <bool BF16>
+__global__ void __launch_bounds__(256) moe_act_kernel(const Routing rt, const float* ws, int splits,
+                                                      int I, const float* topk_w,
+                                                      int weight_on_input, int act, void* act_buf) {
+    const int64_t units = int64_t{rt.S} * (I / 4), stride = int64_t{gridDim.x} * 256;
+    for (int64_t u = blockIdx.x * int64_t{256} + threadIdx.x; u < units; u += stride) {
+        const int s = static_cast<int>(u / (I / 4)), c = static_cast<int>(u % (I / 4)) * 4;
+        if (local_expert(rt, s) < 0) continue;
+        float4 gs = make_float4(0.f, 0.f, 0.f, 0.f), us = gs;
+        for (int sp = 0; sp < splits; ++sp) {
+            const float* row = ws + (int64_t{sp} * rt.S + s) * (2 * I);
+            gs = f4add(gs, *reinterpret_cast<const float4*>(row + c));
+            us = f4add(us, *reinterpret_cast<const float4*>(row + I + c));
+        }
+        const float wm = weight_on_input ? topk_w[s] : 1.0f;
+        *reinterpret_cast<uint2*>(static_cast<uint8_t*>(act_buf) + (int64_t{s} * I + c) * 2) =
+            act_mul4<BF16>(gs, us, wm, act);
+    }
+}
+
+// out[t] = sum_j w'[t, j] * sum_splits rows[split][t * topk + j] over local slots (kSlots), or
+// the atomic accumulator (kAtomic); rounded once to the dtype.
+struct CombineParams {
+    Routing rt;
+    const float* rows;  // kSlots: [splits][S][H]; kAtomic: [T][H]
+    const float* topk_w;
+    void* out;          // [T][H]
+    int T, H, splits, out_mode, weight_on_input;
+};
+
+template <bool BF16>
+__global__ void __launch_bounds__(256) moe_combine_kernel(const CombineParams p) {
+    pdl_wait();
+    const int h4 = p.H / 4;
+    const int64_t units = int64_t{p.T} * h4, stride = int64_t{gridDim.x} * 256;
+    for (int64_t u = blockIdx.x * int64_t{256} + threadIdx.x; u < units; u += stride) {
+        const int tok = static_cast<int>(u / h4), c = static_cast<int>(u % h4) * 4;
+        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (p.out_mode == kAtomic) {
+            v = *reinterpret_cast<const float4*>(p.rows + int64_t{tok} * p.H + c);
+        } else {
+            for (int j = 0; j < p.rt.topk; ++j) {
+                const int s = tok * p.rt.topk + j;
+                if (local_expert(p.rt, s) < 0) continue;
+                float4 r = make_float4(0.f, 0.f, 0.f, 0.f);
+                for (int sp = 0; sp < p.splits; ++sp)
+                    r = f4add(r, *reinterpret_cast<const float4*>(
+                                     p.rows + (int64_t{sp} * p.rt.S + s) * p.H + c));
+                v = f4add(v, f4mul(r, p.weight_on_input ? 1.0f : p.topk_w[s]));
+            }
+        }
+        *reinterpret_cast<uint2*>(static_cast<uint8_t*>(p.out) + (int64_t{tok} * p.H + c) * 2) =
+            make_uint2(pack2<BF16>(v.x, v.y), pack2<BF16>(v.z, v.w));
+    }
+}
+
+// --------------------------------------------------------------------------------- host
+
+int env_int(const char* name, int fallback) {  // KBIT_MOE_TM, _SPLITS, _NO_CLUSTER, _NO_PDL, ...
+    const char* v = std::getenv(name);
+    return v && *v ? std::atoi(v) : fallback;
+}
+
+struct Choice {
+    int smem = 0, stages = 0, copies_log2 = 0, table_bytes = 0, ctas_per_sm = 0, sms = 0;
+    bool cluster = false, pdl = false;
+};
+
+// Per device and kernel (as mma.cu): table copies, stages and shared memory. Prefers a
+// conflict-free table, then 2 CTAs/SM, then >= 3 stages; also: can clusters of 8 be co-scheduled,
+// and does the running SASS have the sm_90 paths (clusters, griddepcontrol)?
+template <int BITS, int TM, bool BF16>
+Choice pick_config(int dev) {
+    static std::mutex mu;
+    static std::unordered_map<int, Choice> cache;
+    const std::lock_guard<std::mutex> lock(mu);
+    if (auto it = cache.find(dev); it != cache.end()) return it->second;
+    using L = Layout<BITS, TM>;
+    cudaDeviceProp prop;
+    C10_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
+    const int per_sm = static_cast<int>(prop.sharedMemPerMultiprocessor);
+    const int optin = static_cast<int>(prop.sharedMemPerBlockOptin);
+    const int reserved = static_cast<int>(prop.reservedSharedMemPerBlock);
+    constexpr int kStatic = 64 + 12 * TM + 16 + 33 * 4 + 128;  // cbh, s_slot/row, s_misc, scan_ws
+    Choice c;
+    for (int min_stages = 3; min_stages >= 2 && !c.stages; --min_stages)
+        for (int lc = BITS == 2 ? 0 : 5; lc >= 0 && !c.stages; --lc)
+            for (int ctas = TM <= 32 ? 2 : 1; ctas >= 1 && !c.stages; --ctas) {
+                const int budget = std::min(optin, per_sm / ctas - reserved) - kStatic;
+                const int table = 4 << (2 * BITS + lc);
+                const int stages = std::min(kMaxStages, (budget - table - 64) / L::kStage);
+                const int smem = std::max(table + 64 + stages * L::kStage, L::kOut);
+                if (stages >= min_stages && smem <= budget)
+                    c = {smem, stages, lc, table, 0, 0, false, false};
+            }
+    TORCH_CHECK(c.stages, "kbit::moe: not enough shared memory on this GPU for bits=", BITS);
+    const auto kernel = moe_gemm_kernel<BITS, TM, BF16>;
+    C10_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, c.smem));
+    C10_CUDA_CHECK(
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&c.ctas_per_sm, kernel, kThreads, c.smem));
+    TORCH_CHECK(c.ctas_per_sm >= 1, "kbit::moe: kernel does not fit on this GPU (bits=", BITS, ")");
+    cudaFuncAttributes fa;
+    C10_CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel));
+    c.sms = prop.multiProcessorCount;
+    if (fa.binaryVersion >= 90) {
+        c.pdl = true;
+        cudaLaunchConfig_t cfg = {};
+        cfg.gridDim = dim3(1, kMaxSplits, 1);
+        cfg.blockDim = dim3(kThreads);
+        cfg.dynamicSmemBytes = c.smem;
+        cudaLaunchAttribute attr;
+        attr.id = cudaLaunchAttributeClusterDimension;
+        attr.val.clusterDim.x = 1, attr.val.clusterDim.y = kMaxSplits, attr.val.clusterDim.z = 1;
+        cfg.attrs = &attr, cfg.numAttrs = 1;
+        int clusters = 0;
+        if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess) {
+            (void)cudaGetLastError();
+            clusters = 0;
+        }
+        c.cluster = clusters > 0;
+    }
+    cache.emplace(dev, c);
+    return c;
+}
+
+// Split-K count: minimises waves x (k-tiles per CTA + 1 tile of fill/epilogue), <= 8 splits.
+int choose_splits(double ctas, int k_tiles, int64_t slots) {
+    int best = 1;
+    double best_cost = 1e300;
+    for (int s = 1; s <= std::min(kMaxSplits, k_tiles); ++s) {
+        const int64_t chunk = ceil_div(k_tiles, s);
+        if (ceil_div(k_tiles, chunk) != s) continue;  // same chunks as a smaller s
+        const double cost = std::ceil(ctas * s / static_cast<double>(slots)) * (chunk + 1);
+        if (cost < best_cost) best = s, best_cost = cost;
+    }
+    return best;
+}
+
+bool pdl_enabled() { return env_int("KBIT_MOE_NO_PDL", 0) == 0; }
+
+// cudaLaunchKernelEx with optional cluster (along y) and programmatic-dependent-launch attributes.
+template <typename Kernel, typename Arg>
+void launch(Kernel kernel, dim3 grid, int threads, int smem, cudaStream_t stream, int cluster_y,
+            bool pdl, const Arg& arg) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(threads);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[2];
+    int n = 0;
+    if (cluster_y > 1) {
+        attr[n].id = cudaLaunchAttributeClusterDimension;
+        attr[n].val.clusterDim.x = 1;
+        attr[n].val.clusterDim.y = cluster_y;
+        attr[n].val.clusterDim.z = 1;
+        ++n;
+    }
+    if (pdl) {
+        attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr[n].val.programmaticStreamSerializationAllowed = 1;
+        ++n;
+    }
+    cfg.attrs = attr;
+    cfg.numAttrs = n;
+    C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, arg));
+}
+
+struct Call {  // everything the host knows about one kbit::moe call
+    at::Tensor x, y, ids, tw, emap;
+    const at::Tensor *w13q, *w13a, *w2q, *w2a, *cb;
+    int64_t T, H, I, S, topk, E;
+    int act;
+    bool weight_on_input, bf16;
+    TiledShape s13{0, 0, 2}, s2{0, 0, 2};
+};
+
+// Expected tiles of TM slots: ~1 per active expert plus the slots beyond, for uniform routing.
+double expected_tiles(const Call& c, int tm, int64_t max_tiles, double local_frac) {
+    const double slots = c.S * local_frac;
+    const double active = c.E * (1.0 - std::pow(1.0 - 1.0 / c.E, slots));
+    return std::min<double>(max_tiles, std::max(active, slots / tm + 0.5 * active));
+}
+
+template <int BITS, int TM, bool BF16>
+void run_moe(const Call& c) {
+    const int dev = c.x.get_device();
+    const Choice cfg = pick_config<BITS, TM, BF16>(dev);
+    const bool pdl = cfg.pdl && pdl_enabled();
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+    const auto opts = c.x.options();
+    const int S = static_cast<int>(c.S);
+    const double local_frac =
+        c.emap.defined() ? std::min(1.0, double(c.E) / std::max<int64_t>(1, c.emap.numel())) : 1.0;
+    const int64_t max_tiles = std::min<int64_t>(c.E, c.S) + c.S / TM;
+    const double est_tiles = expected_tiles(c, TM, max_tiles, local_frac);
+    const int64_t slots_gpu = int64_t{cfg.sms} * cfg.ctas_per_sm;
+
+    Routing rt{};
+    if (c.ids.scalar_type() == at::kLong) rt.ids64 = c.ids.data_ptr<int64_t>();
+    else rt.ids32 = c.ids.data_ptr<int32_t>();
+    rt.emap = c.emap.defined() ? c.emap.data_ptr<int32_t>() : nullptr;
+    rt.emap_n = c.emap.defined() ? static_cast<int>(c.emap.numel()) : 0;
+    rt.S = S, rt.topk = static_cast<int>(c.topk), rt.E = static_cast<int>(c.E);
+
+    // Route inside the GEMM CTAs when the slots fit one per thread and the histogram fits the
+    // ring; else one routing CTA.
+    const bool small = c.S <= kSmallSlots && c.E * 4 <= int64_t{2} * Layout<BITS, TM>::kStage &&
+                       env_int("KBIT_MOE_ROUTE_KERNEL", 0) == 0;
+    TORCH_CHECK_VALUE(max_tiles <= 65535, "kbit::moe: too many token tiles (T * topk = ", c.S,
+                      ", TM = ", TM, ")");
+    at::Tensor route_buf;
+    if (!small) {
+        const int64_t sorted_n = ceil_div(c.S, 4) * 4;
+        route_buf = at::empty({sorted_n + 4 * max_tiles + 4}, opts.dtype(at::kInt));
+        int* base = route_buf.data_ptr<int32_t>();
+        RouteParams rp{};
+        rp.rt = rt;
+        rp.sorted = base;
+        rp.tiles = reinterpret_cast<int4*>(base + sorted_n);
+        rp.num_tiles = base + sorted_n + 4 * max_tiles;
+        rp.tile_m = TM;
+        launch(moe_route_kernel, dim3(1), kRouteThreads, static_cast<int>(2 * c.E * 4), stream, 1,
+               pdl, rp);
+        rt.sorted = rp.sorted, rt.tiles = rp.tiles, rt.num_tiles = rp.num_tiles;
+    }
+
+    const int forced = env_int("KBIT_MOE_SPLITS", 0);
+    const int dbg_level = env_int("KBIT_MOE_DEBUG", 0);
+    const bool debug = dbg_level != 0;
+    at::Tensor dbgbuf;
+    if (debug) dbgbuf = at::zeros({2 * 64 * 40}, opts.dtype(at::kLong));
+    const bool cluster_ok = cfg.cluster && env_int("KBIT_MOE_NO_CLUSTER", 0) == 0;
+    auto plan_splits = [&](int groups, int k_tiles, int& kchunk) {
+        int s = choose_splits(groups * est_tiles, k_tiles, slots_gpu);
+        if (forced > 0) s = std::min({forced, kMaxSplits, k_tiles});
+        kchunk = static_cast<int>(ceil_div(k_tiles, s));
+        return static_cast<int>(ceil_div(k_tiles, kchunk));
+    };
+
+    GemmParams base{};
+    base.rt = rt;
+    base.cb = c.cb->data_ptr<float>();
+    base.topk_w = c.tw.data_ptr<float>();
+    base.stages = cfg.stages;
+    base.copies_log2 = cfg.copies_log2;
+    base.ring_off = cfg.table_bytes + 64;
+    base.act = c.act;
+    base.weight_on_input = c.weight_on_input;
+    base.dbg = debug ? dbgbuf.data_ptr<int64_t>() : nullptr;
+    base.dbg_level = dbg_level >= 4 ? 0 : dbg_level;
+
+    // Down GEMM output: per-slot rows (deterministic) or the atomic accumulator.
+    const int g2 = static_cast<int>(ceil_div(c.s2.n_tiles, kGroupTiles));
+    int kchunk2 = 0;
+    const int splits2 = plan_splits(g2, static_cast<int>(c.s2.k_tiles), kchunk2);
+    const bool atomic = env_int("KBIT_MOE_ATOMIC", 0) != 0 ||
+                        (c.S * c.H * 4 > kSlotsMaxBytes && env_int("KBIT_MOE_DETERMINISTIC", 0) == 0);
+    const int mode2 = atomic || splits2 == 1 ? kDirect : cluster_ok ? kCluster : kWorkspace;
+    at::Tensor rows2 = at::empty({atomic ? c.T * c.H : (mode2 == kWorkspace ? splits2 : 1) * c.S * c.H},
+                                 opts.dtype(at::kFloat));
+
+    // gate_up GEMM.
+    const int half_tiles = static_cast<int>(c.I / kTileN);
+    const int g1 = static_cast<int>(ceil_div(half_tiles, kGroupTiles / 2));
+    int kchunk1 = 0;
+    const int splits1 = plan_splits(g1, static_cast<int>(c.s13.k_tiles), kchunk1);
+    const int mode1 = splits1 == 1 ? kDirect : cluster_ok ? kCluster : kWorkspace;
+    at::Tensor act_buf = at::empty({c.S, c.I}, opts);
+    at::Tensor ws1;
+    if (mode1 == kWorkspace) ws1 = at::empty({splits1, c.S, 2 * c.I}, opts.dtype(at::kFloat));
+    {
+        GemmParams p = base;
+        p.gemm = kGateUp;
+        p.x = static_cast<const uint8_t*>(c.x.data_ptr());
+        p.ldx_bytes = c.x.stride(0) * 2;
+        p.qw = reinterpret_cast<const uint8_t*>(c.w13q->data_ptr<int32_t>());
+        p.am = c.w13a->data_ptr<uint8_t>();
+        p.qw_expert = c.s13.words * 4, p.am_expert = c.s13.absmax_bytes;
+        p.out = act_buf.data_ptr();
+        p.ws = mode1 == kWorkspace ? ws1.data_ptr<float>() : nullptr;
+        p.zero_buf = atomic ? reinterpret_cast<float4*>(rows2.data_ptr<float>()) : nullptr;
+        p.zero_count = atomic ? c.T * c.H / 4 : 0;
+        p.K = static_cast<int>(c.H);
+        p.n_tiles = static_cast<int>(c.s13.n_tiles), p.k_tiles = static_cast<int>(c.s13.k_tiles);
+        p.half_tiles = half_tiles;
+        p.n_out = static_cast<int>(c.I), p.n_ws = static_cast<int>(2 * c.I);
+        p.kchunk = kchunk1, p.splits = splits1, p.mode = mode1, p.out_mode = kSlots;
+        p.debug = debug ? ((c.T - 1) * c.x.stride(0) + c.H) * 2 : 0;
+        if (debug)
+            fprintf(stderr, "kbit-moe dbg host gate_up: T=%lld S=%lld TM=%d small=%d grid=(%d,%d,%lld) "
+                    "kchunk=%d mode=%d stages=%d smem=%d copies_log2=%d x=%p ldx=%lld pdl=%d\n",
+                    (long long)c.T, (long long)c.S, TM, (int)small, g1, splits1,
+                    (long long)max_tiles, kchunk1, mode1, cfg.stages, cfg.smem, cfg.copies_log2,
+                    c.x.data_ptr(), (long long)p.ldx_bytes, (int)pdl);
+        launch(moe_gemm_kernel<BITS, TM, BF16>, dim3(g1, splits1, static_cast<unsigned>(max_tiles)), kThreads, cfg.smem,
+               stream, mode1 == kCluster ? splits1 : 1, pdl, p);
+        if (mode1 == kWorkspace) {
+            const int64_t units = c.S * c.I / 4;
+            const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(units, 256), slots_gpu * 4));
+            moe_act_kernel<BF16><<<blocks, 256, 0, stream>>>(
+                rt, ws1.data_ptr<float>(), splits1, static_cast<int>(c.I), base.topk_w,
+                base.weight_on_input, c.act, act_buf.data_ptr());
+            C10_CUDA_KERNEL_LAUNCH_CHECK();
+        }
+    }
+    // down GEMM.
+    {
+        GemmParams p = base;
+        p.gemm = kDown;
+        p.x = static_cast<const uint8_t*>(act_buf.data_ptr());
+        p.ldx_bytes = c.I * 2;
+        p.qw = reinterpret_cast<const uint8_t*>(c.w2q->data_ptr<int32_t>());
+        p.am = c.w2a->data_ptr<uint8_t>();
+        p.qw_expert = c.s2.words * 4, p.am_expert = c.s2.absmax_bytes;
+        p.out = rows2.data_ptr<float>();
+        p.ws = mode2 == kWorkspace ? rows2.data_ptr<float>() : nullptr;
+        p.K = static_cast<int>(c.I);
+        p.n_tiles = static_cast<int>(c.s2.n_tiles), p.k_tiles = static_cast<int>(c.s2.k_tiles);
+        p.half_tiles = 0;
+        p.n_out = static_cast<int>(c.H), p.n_ws = static_cast<int>(c.H);
+        p.kchunk = kchunk2, p.splits = splits2, p.mode = mode2;
+        p.debug = debug ? act_buf.numel() * 2 : 0;
+        p.out_mode = atomic ? kAtomic : kSlots;
+        launch(moe_gemm_kernel<BITS, TM, BF16>, dim3(g2, splits2, static_cast<unsigned>(max_tiles)), kThreads, cfg.smem,
+               stream, mode2 == kCluster ? splits2 : 1, pdl && mode1 != kWorkspace, p);
+    }
+    // combine.
+    {
+        CombineParams p{};
+        p.rt = rt;
+        p.rows = rows2.data_ptr<float>();
+        p.topk_w = base.topk_w;
+        p.out = c.y.data_ptr();
+        p.T = static_cast<int>(c.T), p.H = static_cast<int>(c.H);
+        p.splits = mode2 == kWorkspace ? splits2 : 1;
+        p.out_mode = atomic ? kAtomic : kSlots;
+        p.weight_on_input = c.weight_on_input;
+        const int64_t units = c.T * c.H / 4;
+        const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(units, 256), slots_gpu * 2));
+        launch(moe_combine_kernel<BF16>, dim3(blocks), 256, 0, stream, 1, pdl, p);
+    }
+    if (debug) {  // test hook: the per-CTA routing records (synchronises)
+        C10_CUDA_CHECK(cudaDeviceSynchronize());
+        const at::Tensor h = dbgbuf.cpu();
+        const int64_t* r = h.data_ptr<int64_t>();
+        for (int i = 0; i < 128; ++i, r += 40) {
+            if (r[0] == 0) continue;
+            fprintf(stderr, "kbit-moe dbg cta gemm=%lld blk=(%lld,%lld,%lld) e=%lld rows=%lld kbeg=%lld "
+                    "nk=%lld stages=%lld ring=%lld cl=%lld S=%lld topk=%lld E=%lld slot=[%lld %lld %lld %lld] "
+                    "row=[%lld %lld %lld %lld] x=%llx ldx=%lld qw=%llx qwe=%lld K=%lld kt=%lld kc=%lld "
+                    "xk=%lld sbase=%llx\n",
+                    (long long)r[1], (long long)r[2], (long long)r[3], (long long)r[4], (long long)r[5],
+                    (long long)r[6], (long long)r[7], (long long)r[8], (long long)r[9], (long long)r[10],
+                    (long long)r[11], (long long)r[12], (long long)r[13], (long long)r[14],
+                    (long long)r[15], (long long)r[16], (long long)r[17], (long long)r[18],
+                    (long long)r[23], (long long)r[24], (long long)r[25], (long long)r[26],
+                    (long long)r[31], (long long)r[32], (long long)r[33], (long long)r[34],
+                    (long long)r[35], (long long)r[36], (long long)r[37], (long long)r[38],
+                    (long long)r[39]);
+        }
+    }
+}
+
+template <int BITS>
+void run_bits(int tm, const Call& c) {
+    auto go = [&](auto tm_tag) {
+        constexpr int TM = decltype(tm_tag)::value;
+        if (c.bf16) run_moe<BITS, TM, true>(c);
+        else run_moe<BITS, TM, false>(c);
+    };
+    switch (tm) {
+        case 8: go(std::integral_constant<int, 8>{}); break;
+        case 16: go(std::integral_constant<int, 16>{}); break;
+        case 32: go(std::integral_constant<int, 32>{}); break;
+        default: go(std::integral_constant<int, 64>{}); break;
+    }
+}
+
+void check_experts(const at::Tensor& q, const at::Tensor& a, int64_t E, const TiledShape& s,
+                   const char* qn, const char* an, const at::Tensor& x) {
+    TORCH_CHECK_VALUE(q.is_cuda() && q.scalar_type() == at::kInt && q.dim() == 2 &&
+                          q.size(0) == E && q.size(1) == s.words && q.is_contiguous(),
+                      "kbit::moe: ", qn, " must be contiguous CUDA int32 [E=", E, ", ", s.words,
+                      "] (tiled layout, n=", s.n, ", k=", s.k, "), got ", q.scalar_type(), " ",
+                      q.sizes());
+    TORCH_CHECK_VALUE(a.is_cuda() && a.scalar_type() == at::kByte && a.dim() == 2 &&
+                          a.size(0) == E && a.size(1) == s.absmax_bytes && a.is_contiguous(),
+                      "kbit::moe: ", an, " must be contiguous CUDA uint8 [E=", E, ", ",
+                      s.absmax_bytes, "] (tiled layout, n=", s.n, ", k=", s.k, "), got ",
+                      a.scalar_type(), " ", a.sizes());
+    TORCH_CHECK_VALUE(q.get_device() == x.get_device() && a.get_device() == x.get_device(),
+                      "kbit::moe: ", qn, " and ", an, " must be on x's device");
+    TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(q.data_ptr()) % 16 == 0 &&
+                          reinterpret_cast<uintptr_t>(a.data_ptr()) % 16 == 0,
+                      "kbit::moe: ", qn, " and ", an, " must be 16-byte aligned");
+}
+
+}  // namespace
+
+at::Tensor moe(const at::Tensor& x_in, const at::Tensor& w13_qweight, const at::Tensor& w13_absmax,
+               const at::Tensor& w2_qweight, const at::Tensor& w2_absmax,
+               const at::Tensor& codebook, const at::Tensor& topk_weights,
+               const at::Tensor& topk_ids, const std::optional<at::Tensor>& expert_map,
+               int64_t bits, int64_t inter_size, c10::string_view activation,
+               bool apply_router_weight_on_input) {
+    check_bits(bits, "moe");
+    TORCH_CHECK_VALUE(x_in.is_cuda() && x_in.dim() == 2,
+                      "kbit::moe: x must be a 2-D CUDA tensor [T, H], got ", x_in.sizes());
+    TORCH_CHECK_VALUE(x_in.scalar_type() == at::kHalf || x_in.scalar_type() == at::kBFloat16,
+                      "kbit::moe: x must be float16 or bfloat16, got ", x_in.scalar_type());
+    const int64_t T = x_in.size(0), H = x_in.size(1), I = inter_size;
+    TORCH_CHECK_VALUE(H > 0 && H % kBlock == 0, "kbit::moe: x has hidden size ", H,
+                      ", not a positive multiple of 32");
+    TORCH_CHECK_VALUE(I > 0 && I % kBlock == 0,
+                      "kbit::moe: inter_size must be a positive multiple of 32, got ", I);
+    TORCH_CHECK_VALUE(w13_qweight.dim() == 2, "kbit::moe: w13_qweight must be 2-D [E, words], got ",
+                      w13_qweight.sizes());
+    const int64_t E = w13_qweight.size(0);
+    TORCH_CHECK_VALUE(E > 0 && E <= kMaxExperts, "kbit::moe: between 1 and ", kMaxExperts,
+                      " local experts supported, got ", E);
+    const TiledShape s13(2 * I, H, bits), s2(H, I, bits);
+    check_experts(w13_qweight, w13_absmax, E, s13, "w13_qweight", "w13_absmax", x_in);
+    check_experts(w2_qweight, w2_absmax, E, s2, "w2_qweight", "w2_absmax", x_in);
+    check_codebook(codebook, bits, "moe");
+    TORCH_CHECK_VALUE(codebook.get_device() == x_in.get_device(),
+                      "kbit::moe: codebook must be on x's device");
+    TORCH_CHECK_VALUE(topk_weights.is_cuda() && topk_weights.scalar_type() == at::kFloat &&
+                          topk_weights.dim() == 2 && topk_weights.size(0) == T &&
+                          topk_weights.size(1) >= 1,
+                      "kbit::moe: topk_weights must be CUDA float32 [T=", T, ", topk], got ",
+                      topk_weights.scalar_type(), " ", topk_weights.sizes());
+    TORCH_CHECK_VALUE(topk_ids.is_cuda() &&
+                          (topk_ids.scalar_type() == at::kInt ||
+                           topk_ids.scalar_type() == at::kLong) &&
+                          topk_ids.sizes() == topk_weights.sizes(),
+                      "kbit::moe: topk_ids must be CUDA int32 or int64 with the shape of "
+                      "topk_weights ",
+                      topk_weights.sizes(), ", got ", topk_ids.scalar_type(), " ",
+                      topk_ids.sizes());
+    TORCH_CHECK_VALUE(topk_ids.get_device() == x_in.get_device() &&
+                          topk_weights.get_device() == x_in.get_device(),
+                      "kbit::moe: topk_ids and topk_weights must be on x's device");
+    if (expert_map.has_value()) {
+        const at::Tensor& m = *expert_map;
+        TORCH_CHECK_VALUE(m.is_cuda() && m.scalar_type() == at::kInt && m.dim() == 1 &&
+                              m.get_device() == x_in.get_device(),
+                          "kbit::moe: expert_map must be a CUDA int32 [global_E] tensor on x's "
+                          "device, got ",
+                          m.scalar_type(), " ", m.sizes());
+    }
+    const int64_t topk = topk_weights.size(1);
+    TORCH_CHECK_VALUE(!apply_router_weight_on_input || topk == 1,
+                      "kbit::moe: apply_router_weight_on_input needs topk == 1, got topk ", topk);
+    int act = -1;
+    const std::string_view a(activation.data(), activation.size());
+    if (a == "silu") act = kSilu;
+    else if (a == "gelu") act = kGelu;
+    else if (a == "gelu_tanh") act = kGeluTanh;
+    TORCH_CHECK_VALUE(act >= 0, "kbit::moe: activation must be one of gelu, gelu_tanh, silu, got '",
+                      std::string(a), "'");
+    TORCH_CHECK_VALUE(T * topk < (int64_t{1} << 24) && H < (int64_t{1} << 20) &&
+                          I < (int64_t{1} << 20),
+                      "kbit::moe: shape too large (T=", T, ", topk=", topk, ", H=", H, ", I=", I,
+                      ")");
+
+    const c10::cuda::CUDAGuard guard(x_in.device());
+    at::Tensor y = at::empty({T, H}, x_in.options());
+    if (T == 0) return y;
+    // cp.async moves 16-byte chunks: rows must start 16-byte aligned, else copy x once.
+    const bool aligned = x_in.stride(1) == 1 && reinterpret_cast<uintptr_t>(x_in.data_ptr()) % 16 == 0 &&
+                         (T == 1 || x_in.stride(0) % 8 == 0);
+    Call c;
+    c.x = aligned ? x_in : x_in.contiguous().clone(at::MemoryFormat::Contiguous);
+    c.y = y;
+    c.ids = topk_ids.contiguous();
+    c.tw = topk_weights.contiguous();
+    if (expert_map.has_value()) c.emap = expert_map->contiguous();
+    c.w13q = &w13_qweight, c.w13a = &w13_absmax, c.w2q = &w2_qweight, c.w2a = &w2_absmax;
+    c.cb = &codebook;
+    c.T = T, c.H = H, c.I = I, c.S = T * topk, c.topk = topk, c.E = E;
+    c.act = act;
+    c.weight_on_input = apply_router_weight_on_input;
+    c.bf16 = x_in.scalar_type() == at::kBFloat16;
+    c.s13 = s13, c.s2 = s2;
+
+    // Token tile: the expected slots per active expert (uniform routing), KBIT_MOE_TM overrides.
+    const double local_frac =
+        c.emap.defined() ? std::min(1.0, double(E) / std::max<int64_t>(1, c.emap.numel())) : 1.0;
+    const double per_expert = c.S * local_frac / E;
+    int tm = per_expert <= 6 ? 8 : per_expert <= 14 ? 16 : per_expert <= 28 ? 32 : 64;
+    if (const int f = env_int("KBIT_MOE_TM", 0); f > 0) tm = f <= 8 ? 8 : f <= 16 ? 16 : f <= 32 ? 32 : 64;
+    switch (bits) {
+        case 2: run_bits<2>(tm, c); break;
+        case 3: run_bits<3>(tm, c); break;
+        case 4: run_bits<4>(tm, c); break;
+        default: run_bits<5>(tm, c); break;
+    }
+    return y;
+}
+
+}  // namespace kbit

@@ -1,0 +1,441 @@
+# SPDX-License-Identifier: Apache-2.0
+"""torch.ops.kbit.moe (csrc/moe.cu): the grouped MoE kernels against the reference.
+
+Oracle: the same MoE in float32 on the reference-dequantized float32 weights, without the
+intermediate roundings. The kernel must be within 2x the error of the reference contract
+(reference_moe.moe_tiled: weights, h and act rounded to x.dtype) against that oracle (plus a
+one-ulp floor), for every k, fp16/bf16, every activation, E in {8, 16, 128, 512}, top-k in
+{1, 2, 8}, T from 1 to 8192, uneven and empty expert loads, expert_map with -1, every kernel
+path (in-CTA routing / routing kernel, split-K cluster / workspace, per-slot rows / atomics,
+token tiles 8..64, with and without programmatic dependent launch), and under CUDA-graph replay.
+When vLLM is importable, its bf16 ``fused_experts`` on the dequantized weights is checked the
+same way.
+
+The CUDA kernel is opt-in (csrc/torch_bindings.cpp): run with ``KBIT_MOE_KERNEL=1`` in the
+environment; without it kbit::moe is the reference on CUDA tensors and these tests skip.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vllm_kbit import _ops
+from vllm_kbit.format import default_codebook
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+OPS = torch.ops.kbit
+DTYPES = [torch.float16, torch.bfloat16]
+ACTS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda h: F.gelu(h, approximate="tanh"),
+}
+ENV_VARS = ("KBIT_MOE_TM", "KBIT_MOE_SPLITS", "KBIT_MOE_NO_CLUSTER", "KBIT_MOE_NO_PDL",
+            "KBIT_MOE_ROUTE_KERNEL", "KBIT_MOE_ATOMIC", "KBIT_MOE_DETERMINISTIC")  # fmt: skip
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _kernels():
+    if _ops.load() != "compiled":
+        pytest.skip("needs the compiled vllm_kbit._C")
+    if not hasattr(OPS, "moe") or not torch._C._dispatch_has_kernel_for_dispatch_key(
+        "kbit::moe", "CUDA"
+    ) or "moe" in getattr(_ops, "_cuda_reference_ops", []):
+        pytest.skip("no kbit::moe CUDA kernel (set KBIT_MOE_KERNEL=1, rebuild the extension)")
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 oracle must really be fp32
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = prev
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    for v in ENV_VARS:
+        monkeypatch.delenv(v, raising=False)
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+@functools.cache
+def _experts(e: int, h: int, i: int, bits: int, seed: int = 0):
+    """Random experts quantized + repacked on the GPU by the kbit ops:
+    (w13q [E, W13], w13a, w2q [E, W2], w2a, codebook, w13 fp32 [E, 2I, H], w2 fp32 [E, H, I])."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    cb = default_codebook(bits).cuda()
+
+    def one(n: int, k: int):
+        w = torch.randn(n, k // 32, 32, generator=g, device="cuda")
+        s = torch.exp2(torch.rand(n, k // 32, 1, generator=g, device="cuda") * 4 - 7)  # 2^-7..2^-3
+        q, a = OPS.quantize((w * s).view(n, k), cb, bits)
+        qt, at = OPS.repack(q, a, bits)
+        return qt, at, OPS.dequantize_tiled(qt, at, cb, bits, n, k, torch.float32)
+
+    w13 = [one(2 * i, h) for _ in range(e)]
+    w2 = [one(h, i) for _ in range(e)]
+    st = lambda ws, j: torch.stack([w[j] for w in ws])
+    return st(w13, 0), st(w13, 1), st(w2, 0), st(w2, 1), cb, st(w13, 2), st(w2, 2)
+
+
+def _routing(t: int, e_global: int, topk: int, seed: int, ids_dtype=torch.int32, skew: float = 1.0):
+    """Softmax over random router logits, top-k, renormalised: uneven realistic loads
+    (skew > 1 makes a few experts popular)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    logits = torch.randn(t, e_global, generator=g, device="cuda")
+    logits += skew * torch.linspace(0, 2, e_global, device="cuda")[torch.randperm(
+        e_global, generator=g, device="cuda")]  # fmt: skip
+    w, ids = torch.softmax(logits, -1).topk(topk, -1)
+    w = w / w.sum(-1, keepdim=True)
+    return w.float().contiguous(), ids.to(ids_dtype).contiguous()
+
+
+def _x(t: int, h: int, dtype: torch.dtype, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(t, h, generator=g, device="cuda").to(dtype)
+
+
+def _local(ids: torch.Tensor, emap: torch.Tensor | None, e_local: int) -> torch.Tensor:
+    ids = ids.long()
+    if emap is not None:
+        ok = (ids >= 0) & (ids < emap.numel())
+        ids = torch.where(ok, emap.long()[ids.clamp(0, emap.numel() - 1)], -1)
+    return torch.where((ids >= 0) & (ids < e_local), ids, -1)
+
+
+def _moe_math(x, w13, w2, tw, local, act, on_input, rounded: bool) -> torch.Tensor:
+    """reference_moe.moe_tiled's math on given weights (rounded=True: weights, h and act rounded
+    to x.dtype as in the reference; False: all fp32, the oracle). Returns fp32 [T, H]."""
+    dt = x.dtype
+    i = w2.shape[2]
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
+    for e in local.unique().tolist():
+        if e < 0:
+            continue
+        tok, slot = (local == e).nonzero(as_tuple=True)
+        weight = tw[tok, slot].unsqueeze(1)
+        a13 = w13[e].to(dt).float() if rounded else w13[e]
+        a2 = w2[e].to(dt).float() if rounded else w2[e]
+        gate_up = x[tok].float() @ a13.t()
+        if on_input:
+            gate_up = gate_up * weight
+        if rounded:
+            gate_up = gate_up.to(dt).float()
+        a = ACTS[act](gate_up[:, :i]) * gate_up[:, i:]
+        if rounded:
+            a = a.to(dt).float()
+        y = a @ a2.t()
+        out.index_add_(0, tok, y if on_input else y * weight)
+    return out
+
+
+def _check(y, x, w13, w2, tw, ids, emap, act, on_input, base=None) -> None:
+    """y (kernel) vs the fp32 oracle, within 2x the reference's error (+ one-ulp floors)."""
+    t, h = x.shape
+    assert y.dtype == x.dtype and y.shape == (t, h)
+    assert bool(torch.isfinite(y).all())
+    local = _local(ids, emap, w13.shape[0])
+    oracle = _moe_math(x, w13, w2, tw, local, act, on_input, rounded=False)
+    if base is None:
+        base = _moe_math(x, w13, w2, tw, local, act, on_input, rounded=True).to(x.dtype)
+    err, err_base = (y.float() - oracle).abs(), (base.float() - oracle).abs()
+    eps = torch.finfo(x.dtype).eps
+    floor_max = eps * oracle.abs().max().item()
+    floor_mean = eps * oracle.abs().mean().item() / oracle.numel() ** 0.5
+    assert err.max().item() <= 2 * err_base.max().item() + floor_max, (
+        f"max err {err.max().item():.3g} vs reference {err_base.max().item():.3g}"
+    )
+    assert err.mean().item() <= 2 * err_base.mean().item() + floor_mean, (
+        f"mean err {err.mean().item():.3g} vs reference {err_base.mean().item():.3g}"
+    )
+    idle = (local < 0).all(1)  # tokens without a local expert: exactly zero
+    assert bool((y[idle] == 0).all())
+
+
+def _moe(x, ex, tw, ids, emap, bits, act="silu", on_input=False):
+    w13q, w13a, w2q, w2a, cb = ex[:5]
+    return OPS.moe(x, w13q, w13a, w2q, w2a, cb, tw, ids, emap, bits, ex[6].shape[2], act, on_input)
+
+
+def _run_check(t, e, topk, h, i, bits, dtype, act="silu", seed=0, emap=None, e_global=None,
+               ids_dtype=torch.int32, skew=1.0, on_input=False):  # fmt: skip
+    ex = _experts(e, h, i, bits)
+    tw, ids = _routing(t, e_global or e, topk, seed + t, ids_dtype, skew)
+    x = _x(t, h, dtype, seed=t)
+    y = _moe(x, ex, tw, ids, emap, bits, act, on_input)
+    _check(y, x, ex[5], ex[6], tw, ids, emap, act, on_input)
+    return y
+
+
+# ---------------------------------------------------------------------------- tests
+
+TS = [1, 2, 3, 5, 16, 33, 64, 256, 1024]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", [2, 3, 4, 5])
+def test_all_t_mixtral_like(bits: int, dtype: torch.dtype) -> None:
+    # E=8, top-2; I = 96: 6 tiles per half, a partial column group; H = 160: a partial k-tile
+    for t in TS:
+        _run_check(t, 8, 2, 160, 96, bits, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", [2, 4, 5])
+def test_all_t_qwen_like(bits: int, dtype: torch.dtype) -> None:
+    # E=128, top-8 (Qwen3-30B-A3B routing) on small hidden sizes
+    for t in TS:
+        _run_check(t, 128, 8, 256, 128, bits, dtype, skew=2.0)
+
+
+@pytest.mark.parametrize("act", list(ACTS))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_activations_e16_top1(act: str, dtype: torch.dtype) -> None:
+    for t in [1, 5, 64, 300]:
+        _run_check(t, 16, 1, 128, 64, 3, dtype, act=act)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_large_t(dtype: torch.dtype) -> None:
+    # 8192 tokens (routing kernel, TM=64) with few experts; per-slot rows and atomics
+    _run_check(8192, 8, 2, 256, 128, 4, dtype)
+
+
+def test_large_t_atomic(monkeypatch) -> None:
+    monkeypatch.setenv("KBIT_MOE_ATOMIC", "1")
+    for t in [3, 500, 4096]:
+        _run_check(t, 16, 2, 256, 128, 4, torch.bfloat16)
+
+
+def test_512_experts() -> None:
+    for t in [1, 4, 64, 512]:
+        _run_check(t, 512, 8, 128, 64, 4, torch.bfloat16, skew=3.0)
+
+
+def test_int64_ids_and_skew() -> None:
+    for t in [2, 40, 700]:
+        _run_check(t, 16, 4, 128, 64, 2, torch.float16, ids_dtype=torch.int64, skew=6.0)
+
+
+@pytest.mark.parametrize("t", [1, 7, 100, 1000])
+def test_expert_map(t: int) -> None:
+    # EP: 32 global experts, this rank holds the odd ones (local 0..15), the rest map to -1
+    e_local, e_global = 16, 32
+    emap = torch.full((e_global,), -1, dtype=torch.int32, device="cuda")
+    emap[1::2] = torch.arange(e_local, dtype=torch.int32, device="cuda")
+    _run_check(t, e_local, 4, 128, 64, 4, torch.bfloat16, emap=emap, e_global=e_global)
+
+
+def test_empty_and_single_expert_loads() -> None:
+    e, h, i, bits = 16, 128, 64, 4
+    ex = _experts(e, h, i, bits)
+    for t in [1, 9, 300]:
+        x = _x(t, h, torch.float16, seed=t)
+        tw = torch.rand(t, 2, device="cuda")
+        ids = torch.zeros(t, 2, dtype=torch.int32, device="cuda")
+        ids[:, 1] = 5  # every token on experts 0 and 5; the other 14 experts are empty
+        _check(_moe(x, ex, tw, ids, None, bits), x, ex[5], ex[6], tw, ids, None, "silu", False)
+        # no local expert at all: zeros
+        emap = torch.full((e,), -1, dtype=torch.int32, device="cuda")
+        y = _moe(x, ex, tw, ids, emap, bits)
+        assert bool((y == 0).all())
+    # ids outside [0, E) are skipped (the reference raises; the kernel cannot without a sync)
+    x = _x(4, h, torch.float16)
+    tw = torch.rand(4, 2, device="cuda")
+    ids = torch.tensor([[0, 99], [-1, 3], [2, 3], [16, 1]], dtype=torch.int32, device="cuda")
+    _check(_moe(x, ex, tw, ids, None, bits), x, ex[5], ex[6], tw, ids, None, "silu", False)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_router_weight_on_input(dtype: torch.dtype) -> None:
+    for t in [1, 6, 300]:
+        _run_check(t, 8, 1, 128, 64, 4, dtype, on_input=True)
+
+
+@pytest.mark.parametrize("env", [
+    {},
+    {"KBIT_MOE_TM": "8"}, {"KBIT_MOE_TM": "16"}, {"KBIT_MOE_TM": "32"}, {"KBIT_MOE_TM": "64"},
+    {"KBIT_MOE_ROUTE_KERNEL": "1"},
+    {"KBIT_MOE_SPLITS": "1"}, {"KBIT_MOE_SPLITS": "3"}, {"KBIT_MOE_SPLITS": "8"},
+    {"KBIT_MOE_SPLITS": "4", "KBIT_MOE_NO_CLUSTER": "1"},
+    {"KBIT_MOE_NO_PDL": "1"},
+    {"KBIT_MOE_ATOMIC": "1", "KBIT_MOE_SPLITS": "3"},
+])  # fmt: skip
+def test_kernel_paths(monkeypatch, env: dict[str, str]) -> None:
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    for t in [1, 3, 20, 200]:
+        _run_check(t, 16, 4, 256, 96, 3, torch.bfloat16, act="gelu")
+
+
+@pytest.mark.parametrize("t", [1, 16, 300])
+def test_split_reductions_agree(monkeypatch, t: int) -> None:
+    # cluster (sm_90) and workspace reductions add the splits in the same order: bit-identical;
+    # every deterministic path repeats bit for bit
+    e, h, i, bits = 16, 512, 384, 4
+    ex = _experts(e, h, i, bits)
+    tw, ids = _routing(t, e, 4, t)
+    x = _x(t, h, torch.float16)
+    for splits in ["1", "2", "4"]:
+        monkeypatch.setenv("KBIT_MOE_SPLITS", splits)
+        monkeypatch.delenv("KBIT_MOE_NO_CLUSTER", raising=False)
+        y = _moe(x, ex, tw, ids, None, bits)
+        _check(y, x, ex[5], ex[6], tw, ids, None, "silu", False)
+        assert torch.equal(_moe(x, ex, tw, ids, None, bits), y)
+        monkeypatch.setenv("KBIT_MOE_NO_CLUSTER", "1")
+        assert torch.equal(_moe(x, ex, tw, ids, None, bits), y)
+
+
+# Real layer shapes (quantized on the GPU): Qwen3-30B-A3B (TP1 I=768, TP2 I=384), Mixtral-8x7B
+# with 4 of its 8 experts (H=4096, I=14336), a 512-expert layer (H=2048, I=512; 64 experts).
+REAL = [
+    (128, 8, 2048, 768, 4, torch.bfloat16, [1, 8, 64, 1024]),
+    (128, 8, 2048, 384, 2, torch.float16, [1, 33, 512]),
+    (4, 2, 4096, 14336, 4, torch.bfloat16, [1, 16, 300]),
+    (64, 8, 2048, 512, 5, torch.bfloat16, [2, 128]),
+]
+
+
+@pytest.mark.parametrize("e,topk,h,i,bits,dtype,ts", REAL)
+def test_real_shapes(e, topk, h, i, bits, dtype, ts) -> None:
+    for t in ts:
+        _run_check(t, e, topk, h, i, bits, dtype)
+    _experts.cache_clear()  # big tensors: do not keep them around
+
+
+def test_matches_reference_op() -> None:
+    # the local math above is reference_moe.moe_tiled's; the kernel against the op itself
+    ref_moe = pytest.importorskip("vllm_kbit.reference_moe")
+    e, h, i, bits = 8, 128, 64, 3
+    ex = _experts(e, h, i, bits)
+    for t, dtype in [(1, torch.float16), (37, torch.bfloat16)]:
+        tw, ids = _routing(t, e, 2, t)
+        x = _x(t, h, dtype)
+        base = ref_moe.moe_tiled(x, *ex[:5], tw, ids, None, bits, i, "silu", False)
+        mine = _moe_math(x, ex[5], ex[6], tw, _local(ids, None, e), "silu", False, True)
+        torch.testing.assert_close(base.float(), mine.to(dtype).float(), rtol=0, atol=0)
+        _check(_moe(x, ex, tw, ids, None, bits), x, ex[5], ex[6], tw, ids, None, "silu", False,
+               base=base)  # fmt: skip
+
+
+def _vllm_fused_experts():
+    try:
+        from vllm.model_executor.layers.fused_moe import fused_experts
+        from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"vLLM not importable: {type(e).__name__}: {e}")
+    return fused_experts, MoEActivation
+
+
+@pytest.mark.parametrize("t", [1, 8, 64, 1024])
+def test_vs_vllm_fused_experts(t: int) -> None:
+    fused_experts, MoEActivation = _vllm_fused_experts()
+    e, topk, h, i, bits, dtype = 128, 8, 2048, 768, 4, torch.bfloat16
+    ex = _experts(e, h, i, bits)
+    tw, ids = _routing(t, e, topk, t)
+    x = _x(t, h, dtype)
+    base = fused_experts(x, ex[5].to(dtype), ex[6].to(dtype), tw, ids,
+                         activation=MoEActivation.SILU, global_num_experts=e)  # fmt: skip
+    _check(_moe(x, ex, tw, ids, None, bits), x, ex[5], ex[6], tw, ids, None, "silu", False,
+           base=base)  # fmt: skip
+
+
+@pytest.mark.parametrize("t,env", [(1, {}), (4, {"KBIT_MOE_NO_CLUSTER": "1"}), (64, {}),
+                                   (600, {}), (600, {"KBIT_MOE_ATOMIC": "1"})])  # fmt: skip
+def test_cuda_graph_replay_equals_eager(monkeypatch, t: int, env: dict[str, str]) -> None:
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    e, h, i, bits = 32, 512, 256, 4
+    ex = _experts(e, h, i, bits)
+    tw, ids = _routing(t, e, 4, 0)
+    x = _x(t, h, torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up (config caches) off the capture
+        for _ in range(2):
+            _moe(x, ex, tw, ids, None, bits)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_static = _moe(x, ex, tw, ids, None, bits)
+    for seed in [5, 6, 7]:  # new tokens and new routing in the same buffers
+        tw2, ids2 = _routing(t, e, 4, seed, skew=float(seed - 4))
+        x.copy_(_x(t, h, torch.bfloat16, seed=seed))
+        tw.copy_(tw2)
+        ids.copy_(ids2)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = _moe(x, ex, tw, ids, None, bits)
+        if "KBIT_MOE_ATOMIC" in env:  # fp32 atomics: the order of the adds varies
+            torch.testing.assert_close(y_static, eager, rtol=1e-2, atol=1e-2)
+        else:
+            assert torch.equal(y_static, eager)
+        _check(y_static, x, ex[5], ex[6], tw, ids, None, "silu", False)
+
+
+def test_empty_t() -> None:
+    e, h, i, bits = 8, 128, 64, 2
+    ex = _experts(e, h, i, bits)
+    x = torch.empty(0, h, dtype=torch.bfloat16, device="cuda")
+    tw = torch.empty(0, 2, device="cuda")
+    ids = torch.empty(0, 2, dtype=torch.int32, device="cuda")
+    y = _moe(x, ex, tw, ids, None, bits)
+    assert y.shape == (0, h) and y.dtype == torch.bfloat16
+
+
+def test_strided_and_misaligned_x() -> None:
+    e, h, i, bits, t = 8, 128, 64, 4, 24
+    ex = _experts(e, h, i, bits)
+    tw, ids = _routing(t, e, 2, 3)
+    x = _x(t, h, torch.float16)
+    y = _moe(x, ex, tw, ids, None, bits)
+    _check(y, x, ex[5], ex[6], tw, ids, None, "silu", False)
+    wide = torch.zeros(t, h + 64, dtype=x.dtype, device="cuda")
+    wide[:, :h] = x
+    shifted = torch.zeros(t, h + 1, dtype=x.dtype, device="cuda")
+    shifted[:, 1:] = x
+    for view in [wide[:, :h], shifted[:, 1:]]:
+        assert torch.equal(_moe(view, ex, tw, ids, None, bits), y)
+
+
+@pytest.mark.cxx_errors
+def test_bad_inputs() -> None:
+    e, h, i, bits = 8, 128, 64, 4
+    ex = _experts(e, h, i, bits)
+    w13q, w13a, w2q, w2a, cb = ex[:5]
+    tw, ids = _routing(4, e, 2, 0)
+    x = _x(4, h, torch.float16)
+    errors = (RuntimeError, ValueError, TypeError)
+
+    def call(x=x, w13q=w13q, w13a=w13a, w2q=w2q, w2a=w2a, cb=cb, tw=tw, ids=ids, emap=None,
+             bits=bits, i=i, act="silu", on_input=False):  # fmt: skip
+        return OPS.moe(x, w13q, w13a, w2q, w2a, cb, tw, ids, emap, bits, i, act, on_input)
+
+    with pytest.raises(errors, match="float16 or bfloat16"):
+        call(x=x.float())
+    with pytest.raises(errors, match="w13_qweight"):
+        call(w13q=w13q[:, :-1])
+    with pytest.raises(errors, match="w2_absmax"):
+        call(w2a=w2a[:-1])
+    with pytest.raises(errors, match="inter_size|w13"):
+        call(i=48)
+    with pytest.raises(errors, match="codebook"):
+        call(cb=cb[:-1])
+    with pytest.raises(errors, match="bits"):
+        call(bits=6)
+    with pytest.raises(errors, match="activation"):
+        call(act="relu")
+    with pytest.raises(errors, match="topk_ids"):
+        call(ids=ids[:, :1])
+    with pytest.raises(errors, match="topk_weights"):
+        call(tw=tw.half())
+    with pytest.raises(errors, match="expert_map"):
+        call(emap=torch.zeros(e, dtype=torch.int64, device="cuda"))
+    with pytest.raises(errors, match="apply_router_weight_on_input"):
+        call(on_input=True)
+    with pytest.raises(errors, match="CUDA|device"):
+        call(x=x.cpu())
