@@ -97,6 +97,13 @@ def worker(args: argparse.Namespace) -> None:
     os._exit(0)  # a finished LLM can hang at exit (engine process)
 
 
+def _git_head() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=HERE, text=True).strip()
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
 def versions() -> dict:
     import torch
 
@@ -113,12 +120,7 @@ def versions() -> dict:
         info["vllm"] = f"n/a ({e})"
     if torch.cuda.is_available():
         info["device"] = torch.cuda.get_device_name()
-    try:
-        info["git_commit"] = subprocess.check_output(
-            ["git", "rev-parse", "HEAD"], cwd=HERE, text=True
-        ).strip()
-    except Exception:
-        info["git_commit"] = "unknown"
+    info["git_commit"] = os.environ.get("KBIT_GIT_COMMIT") or _git_head()
     return info
 
 

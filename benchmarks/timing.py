@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import os
 import platform
 import re
 import shlex
@@ -205,6 +206,13 @@ def _cmd(args: list[str], timeout: float = 10.0) -> str:
         return ""
 
 
+def git_commit() -> str:
+    """HEAD of this checkout; KBIT_GIT_COMMIT overrides it (the GPU machine's copy of the tree
+    can carry a stale .git: pass the commit in the command, KBIT_GIT_COMMIT=$(git rev-parse HEAD)
+    evaluated here)."""
+    return os.environ.get("KBIT_GIT_COMMIT") or _cmd(["git", "rev-parse", "HEAD"]) or "unknown"
+
+
 def run_metadata(argv: Sequence[str] | None = None) -> dict[str, object]:
     """Facts about this run: device, versions, date, command line, git commit."""
     argv = list(sys.argv if argv is None else argv)
@@ -215,8 +223,9 @@ def run_metadata(argv: Sequence[str] | None = None) -> dict[str, object]:
         "host": platform.node(),
         "torch": torch.__version__,
         "cuda_runtime": torch.version.cuda,
-        "git_commit": _cmd(["git", "rev-parse", "HEAD"]) or "unknown",
-        "git_dirty": bool(_cmd(["git", "status", "--porcelain", "--untracked-files=no"])),
+        "git_commit": git_commit(),
+        "git_dirty": None if os.environ.get("KBIT_GIT_COMMIT") else bool(
+            _cmd(["git", "status", "--porcelain", "--untracked-files=no"])),
     }
     try:
         from importlib.metadata import version
