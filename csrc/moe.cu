@@ -305,7 +305,14 @@ __global__ void __launch_bounds__(kThreads, TM <= 32 ? 2 : 1) moe_gemm_kernel(co
     int expert, rows = 0;
     find_tile<TM>(p.rt, z, s_slot, s_misc, scan_ws, reinterpret_cast<int*>(smem + p.ring_off),
                   expert, rows);
-    if (expert < 0) return;  // uniform per cluster: its CTAs share z
+    if (expert < 0) {  // uniform per cluster: its CTAs share z
+        // Down GEMM: wait for the gate_up GEMM even here, so that this grid never completes
+        // before it (the combine's griddepcontrol.wait, and the next call's kernels through
+        // it, then order after every kernel of this call; e.g. the gate_up GEMM's clearing of
+        // the atomic accumulator when no CTA of this grid has a tile).
+        if (!gate_up) pdl_wait();
+        return;
+    }
 
     // Copy roles, fixed per thread (sources advance by one k-tile per load):
     //  planes: 16-byte chunk (tid & 15) + 16 j of tile tid / 16; absmax: tid < 64, chunk tid & 3
