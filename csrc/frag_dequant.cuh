@@ -17,7 +17,12 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <cstdlib>
+
+#include <c10/cuda/CUDAException.h>
 
 #include "kbit_format.cuh"
 
@@ -275,6 +280,88 @@ __device__ __forceinline__ float4 ld_dsmem(uint32_t local_addr, uint32_t rank) {
     return v;
 }
 #endif
+
+// ------------------------------------------------------------------- host (mma.cu, moe.cu)
+
+inline int env_int(const char* name, int fallback) {  // test and tuning hooks (KBIT_MMA_*, ...)
+    const char* v = std::getenv(name);
+    return v && *v ? std::atoi(v) : fallback;
+}
+
+// Launch configuration of a tile_step kernel on one device.
+struct RingConfig {
+    int smem = 0, stages = 0, copies_log2 = 0, table_bytes = 0, ctas_per_sm = 0, sms = 0;
+    bool sm90 = false;    // the SASS that runs has the sm_90 paths (clusters, griddepcontrol)
+    bool cluster = false;  // and the GPU co-schedules a cluster of `cluster_y` CTAs along y
+};
+
+// Table copies, ring stages and dynamic shared memory: prefers a conflict-free table (32 copies),
+// then `max_ctas` CTAs/SM (16 warps hide LDS/MMA latency), then >= 3 stages. `stage_bytes` is one
+// ring slot, `out_bytes` the epilogue tile (it reuses the ring), `static_bytes` the kernel's
+// static shared memory. Also sets the kernel's dynamic shared memory limit.
+template <typename Kernel>
+RingConfig configure_ring(Kernel kernel, int dev, int bits, int threads, int stage_bytes,
+                          int out_bytes, int static_bytes, int max_ctas, int max_stages,
+                          int cluster_y, const char* op) {
+    cudaDeviceProp prop;
+    C10_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
+    const int per_sm = static_cast<int>(prop.sharedMemPerMultiprocessor);
+    const int optin = static_cast<int>(prop.sharedMemPerBlockOptin);
+    const int reserved = static_cast<int>(prop.reservedSharedMemPerBlock);
+    RingConfig c;
+    for (int min_stages = 3; min_stages >= 2 && !c.stages; --min_stages)
+        for (int lc = bits == 2 ? 0 : 5; lc >= 0 && !c.stages; --lc)
+            for (int ctas = max_ctas; ctas >= 1 && !c.stages; --ctas) {
+                const int budget = std::min(optin, per_sm / ctas - reserved) - static_bytes;
+                const int table = 4 << (2 * bits + lc);
+                const int stages = std::min(max_stages, (budget - table - 64) / stage_bytes);
+                const int smem = std::max(table + 64 + stages * stage_bytes, out_bytes);
+                if (stages >= min_stages && smem <= budget) {
+                    c.smem = smem, c.stages = stages, c.copies_log2 = lc, c.table_bytes = table;
+                }
+            }
+    TORCH_CHECK(c.stages, "kbit::", op, ": not enough shared memory on this GPU for bits=", bits);
+    C10_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, c.smem));
+    C10_CUDA_CHECK(
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&c.ctas_per_sm, kernel, threads, c.smem));
+    TORCH_CHECK(c.ctas_per_sm >= 1, "kbit::", op, ": kernel does not fit on this GPU (bits=", bits,
+                ")");
+    cudaFuncAttributes fa;
+    C10_CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel));
+    c.sms = prop.multiProcessorCount;
+    c.sm90 = fa.binaryVersion >= 90 && fa.ptxVersion >= 90;
+    if (c.sm90) {  // can the GPU co-schedule the largest cluster (one GPC)?
+        cudaLaunchConfig_t cfg = {};
+        cfg.gridDim = dim3(1, cluster_y, 1);
+        cfg.blockDim = dim3(threads);
+        cfg.dynamicSmemBytes = c.smem;
+        cudaLaunchAttribute attr;
+        attr.id = cudaLaunchAttributeClusterDimension;
+        attr.val.clusterDim.x = 1, attr.val.clusterDim.y = cluster_y, attr.val.clusterDim.z = 1;
+        cfg.attrs = &attr, cfg.numAttrs = 1;
+        int clusters = 0;
+        if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess) {
+            (void)cudaGetLastError();  // no clusters here: the caller uses a workspace reduction
+            clusters = 0;
+        }
+        c.cluster = clusters > 0;
+    }
+    return c;
+}
+
+// Split-K count: minimises waves x (k-tiles per CTA + 1 tile of fill/epilogue), <= max_splits.
+inline int choose_splits(double ctas, int k_tiles, int64_t slots, int max_splits) {
+    int best = 1;
+    double best_cost = 1e300;
+    for (int s = 1; s <= std::min(max_splits, k_tiles); ++s) {
+        const int64_t chunk = ceil_div(k_tiles, s);
+        if (ceil_div(k_tiles, chunk) != s) continue;  // same chunks as a smaller s
+        const double cost = std::ceil(ctas * s / static_cast<double>(slots)) * (chunk + 1);
+        if (cost < best_cost) best = s, best_cost = cost;
+    }
+    return best;
+}
 
 }  // namespace frag
 }  // namespace kbit

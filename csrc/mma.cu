@@ -270,93 +270,30 @@ __global__ void __launch_bounds__(256) splitk_reduce_kernel(const float* __restr
 
 // --------------------------------------------------------------------------------- host
 
-struct Choice {
-    int smem = 0, stages = 0, copies_log2 = 0, table_bytes = 0, ctas_per_sm = 0, sms = 0;
-    bool cluster = false;
-};
-
-// Per device and kernel: table copies, stages and shared memory. Prefers a conflict-free table
-// (32 copies), then 2 CTAs/SM (16 warps hide LDS/MMA latency), then >= 3 stages.
+// Per device and kernel (cached): table copies, stages, shared memory, cluster support.
 template <int BITS, int TM, bool BF16>
-Choice pick_config(int dev) {
+RingConfig pick_config(int dev) {
     static std::mutex mu;
-    static std::unordered_map<int, Choice> cache;
+    static std::unordered_map<int, RingConfig> cache;
     const std::lock_guard<std::mutex> lock(mu);
     if (auto it = cache.find(dev); it != cache.end()) return it->second;
     using L = Layout<BITS, TM>;
-    cudaDeviceProp prop;
-    C10_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
-    const int per_sm = static_cast<int>(prop.sharedMemPerMultiprocessor);
-    const int optin = static_cast<int>(prop.sharedMemPerBlockOptin);
-    const int reserved = static_cast<int>(prop.reservedSharedMemPerBlock);
-    Choice c;
-    for (int min_stages = 3; min_stages >= 2 && !c.stages; --min_stages)
-        for (int lc = BITS == 2 ? 0 : 5; lc >= 0 && !c.stages; --lc)
-            for (int ctas = TM <= 32 ? 2 : 1; ctas >= 1 && !c.stages; --ctas) {
-                const int budget = std::min(optin, per_sm / ctas - reserved) - 128;  // - static
-                const int table = 4 << (2 * BITS + lc);
-                const int stages = std::min(kMaxStages, (budget - table - 64) / L::kStage);
-                const int smem = std::max(table + 64 + stages * L::kStage, L::kOut);
-                if (stages >= min_stages && smem <= budget)
-                    c = {smem, stages, lc, table, 0, 0, false};
-            }
-    TORCH_CHECK(c.stages, "kbit::mma: not enough shared memory on this GPU for bits=", BITS);
-    const auto kernel = mma_kernel<BITS, TM, BF16>;
-    C10_CUDA_CHECK(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, c.smem));
-    C10_CUDA_CHECK(
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&c.ctas_per_sm, kernel, kThreads, c.smem));
-    TORCH_CHECK(c.ctas_per_sm >= 1, "kbit::mma: kernel does not fit on this GPU (bits=", BITS, ")");
-    cudaFuncAttributes fa;
-    C10_CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel));
-    c.sms = prop.multiProcessorCount;
-    if (fa.binaryVersion >= 90) {  // the SASS that runs has the cluster epilogue: can the GPU
-        cudaLaunchConfig_t cfg = {};  // co-schedule the largest cluster (8 CTAs, one GPC)?
-        cfg.gridDim = dim3(1, kMaxSplits, 1);
-        cfg.blockDim = dim3(kThreads);
-        cfg.dynamicSmemBytes = c.smem;
-        cudaLaunchAttribute attr;
-        attr.id = cudaLaunchAttributeClusterDimension;
-        attr.val.clusterDim.x = 1, attr.val.clusterDim.y = kMaxSplits, attr.val.clusterDim.z = 1;
-        cfg.attrs = &attr, cfg.numAttrs = 1;
-        int clusters = 0;
-        if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess) {
-            (void)cudaGetLastError();  // no clusters here: use the workspace reduction
-            clusters = 0;
-        }
-        c.cluster = clusters > 0;
-    }
+    const RingConfig c = configure_ring(mma_kernel<BITS, TM, BF16>, dev, BITS, kThreads,
+                                        L::kStage, L::kOut, 128, TM <= 32 ? 2 : 1, kMaxStages,
+                                        kMaxSplits, "mma");
     cache.emplace(dev, c);
     return c;
-}
-
-// Split-K count: minimises waves x (k-tiles per CTA + 1 tile of fill/epilogue), <= 8 splits.
-int choose_splits(int64_t ctas, int k_tiles, int64_t slots) {
-    int best = 1;
-    int64_t best_cost = INT64_MAX;
-    for (int s = 1; s <= std::min(kMaxSplits, k_tiles); ++s) {
-        const int64_t chunk = ceil_div(k_tiles, s);
-        if (ceil_div(k_tiles, chunk) != s) continue;  // same chunks as a smaller s
-        const int64_t cost = ceil_div(ctas * s, slots) * (chunk + 1);
-        if (cost < best_cost) best = s, best_cost = cost;
-    }
-    return best;
-}
-
-int env_int(const char* name, int fallback) {  // test hooks: KBIT_MMA_SPLITS, KBIT_MMA_NO_CLUSTER
-    const char* v = std::getenv(name);
-    return v && *v ? std::atoi(v) : fallback;
 }
 
 template <int BITS, int TM, bool BF16>
 void run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& absmax,
          const at::Tensor& codebook, at::Tensor& y, const TiledShape& s) {
-    const Choice c = pick_config<BITS, TM, BF16>(x.get_device());
+    const RingConfig c = pick_config<BITS, TM, BF16>(x.get_device());
     const int M = static_cast<int>(x.size(0));
     const int n_groups = static_cast<int>(ceil_div(s.n_tiles, kGroupTiles));
     const int m_tiles = static_cast<int>(ceil_div(M, TM)), k_tiles = static_cast<int>(s.k_tiles);
     const int64_t slots = int64_t{c.sms} * c.ctas_per_sm;
-    int splits = choose_splits(int64_t{n_groups} * m_tiles, k_tiles, slots);
+    int splits = choose_splits(double(n_groups) * m_tiles, k_tiles, slots, kMaxSplits);
     if (const int forced = env_int("KBIT_MMA_SPLITS", 0); forced > 0)
         splits = std::min({forced, kMaxSplits, k_tiles});
     const int kchunk = static_cast<int>(ceil_div(k_tiles, splits));

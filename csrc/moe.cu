@@ -122,17 +122,6 @@ struct Layout {
 
 // ------------------------------------------------------------------------ device helpers
 
-__device__ __forceinline__ void pdl_wait() {  // no-op unless launched as a PDL secondary
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void pdl_trigger() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
-
 // Exclusive prefix sum over the block (blockDim.x a multiple of 32, <= 1024); `total` gets the
 // sum. `ws` holds 33 ints of shared memory; contains barriers (all threads must call).
 __device__ __forceinline__ int block_exclusive_scan(int v, int* ws, int& total) {
@@ -628,85 +617,21 @@ __global__ void __launch_bounds__(256) moe_combine_kernel(const CombineParams p)
 
 // --------------------------------------------------------------------------------- host
 
-int env_int(const char* name, int fallback) {  // KBIT_MOE_TM, _SPLITS, _NO_CLUSTER, _NO_PDL, ...
-    const char* v = std::getenv(name);
-    return v && *v ? std::atoi(v) : fallback;
-}
-
-struct Choice {
-    int smem = 0, stages = 0, copies_log2 = 0, table_bytes = 0, ctas_per_sm = 0, sms = 0;
-    bool cluster = false, pdl = false;
-};
-
-// Per device and kernel (as mma.cu): table copies, stages and shared memory. Prefers a
-// conflict-free table, then 2 CTAs/SM, then >= 3 stages; also: can clusters of 8 be co-scheduled,
-// and does the running SASS have the sm_90 paths (clusters, griddepcontrol)?
+// Per device and kernel (cached, as mma.cu): table copies, stages, shared memory, clusters; the
+// sm_90 SASS also has the griddepcontrol (PDL) paths.
 template <int BITS, int TM, bool BF16>
-Choice pick_config(int dev) {
+RingConfig pick_config(int dev) {
     static std::mutex mu;
-    static std::unordered_map<int, Choice> cache;
+    static std::unordered_map<int, RingConfig> cache;
     const std::lock_guard<std::mutex> lock(mu);
     if (auto it = cache.find(dev); it != cache.end()) return it->second;
     using L = Layout<BITS, TM>;
-    cudaDeviceProp prop;
-    C10_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
-    const int per_sm = static_cast<int>(prop.sharedMemPerMultiprocessor);
-    const int optin = static_cast<int>(prop.sharedMemPerBlockOptin);
-    const int reserved = static_cast<int>(prop.reservedSharedMemPerBlock);
     constexpr int kStatic = 64 + 12 * TM + 16 + 33 * 4 + 128;  // cbh, s_slot/row, s_misc, scan_ws
-    Choice c;
-    for (int min_stages = 3; min_stages >= 2 && !c.stages; --min_stages)
-        for (int lc = BITS == 2 ? 0 : 5; lc >= 0 && !c.stages; --lc)
-            for (int ctas = TM <= 32 ? 2 : 1; ctas >= 1 && !c.stages; --ctas) {
-                const int budget = std::min(optin, per_sm / ctas - reserved) - kStatic;
-                const int table = 4 << (2 * BITS + lc);
-                const int stages = std::min(kMaxStages, (budget - table - 64) / L::kStage);
-                const int smem = std::max(table + 64 + stages * L::kStage, L::kOut);
-                if (stages >= min_stages && smem <= budget)
-                    c = {smem, stages, lc, table, 0, 0, false, false};
-            }
-    TORCH_CHECK(c.stages, "kbit::moe: not enough shared memory on this GPU for bits=", BITS);
-    const auto kernel = moe_gemm_kernel<BITS, TM, BF16>;
-    C10_CUDA_CHECK(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, c.smem));
-    C10_CUDA_CHECK(
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&c.ctas_per_sm, kernel, kThreads, c.smem));
-    TORCH_CHECK(c.ctas_per_sm >= 1, "kbit::moe: kernel does not fit on this GPU (bits=", BITS, ")");
-    cudaFuncAttributes fa;
-    C10_CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel));
-    c.sms = prop.multiProcessorCount;
-    if (fa.binaryVersion >= 90) {
-        c.pdl = true;
-        cudaLaunchConfig_t cfg = {};
-        cfg.gridDim = dim3(1, kMaxSplits, 1);
-        cfg.blockDim = dim3(kThreads);
-        cfg.dynamicSmemBytes = c.smem;
-        cudaLaunchAttribute attr;
-        attr.id = cudaLaunchAttributeClusterDimension;
-        attr.val.clusterDim.x = 1, attr.val.clusterDim.y = kMaxSplits, attr.val.clusterDim.z = 1;
-        cfg.attrs = &attr, cfg.numAttrs = 1;
-        int clusters = 0;
-        if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess) {
-            (void)cudaGetLastError();
-            clusters = 0;
-        }
-        c.cluster = clusters > 0;
-    }
+    const RingConfig c = configure_ring(moe_gemm_kernel<BITS, TM, BF16>, dev, BITS, kThreads,
+                                        L::kStage, L::kOut, kStatic, TM <= 32 ? 2 : 1,
+                                        kMaxStages, kMaxSplits, "moe");
     cache.emplace(dev, c);
     return c;
-}
-
-// Split-K count: minimises waves x (k-tiles per CTA + 1 tile of fill/epilogue), <= 8 splits.
-int choose_splits(double ctas, int k_tiles, int64_t slots) {
-    int best = 1;
-    double best_cost = 1e300;
-    for (int s = 1; s <= std::min(kMaxSplits, k_tiles); ++s) {
-        const int64_t chunk = ceil_div(k_tiles, s);
-        if (ceil_div(k_tiles, chunk) != s) continue;  // same chunks as a smaller s
-        const double cost = std::ceil(ctas * s / static_cast<double>(slots)) * (chunk + 1);
-        if (cost < best_cost) best = s, best_cost = cost;
-    }
-    return best;
 }
 
 bool pdl_enabled() { return env_int("KBIT_MOE_NO_PDL", 0) == 0; }
@@ -758,8 +683,8 @@ double expected_tiles(const Call& c, int tm, int64_t max_tiles, double local_fra
 template <int BITS, int TM, bool BF16>
 void run_moe(const Call& c) {
     const int dev = c.x.get_device();
-    const Choice cfg = pick_config<BITS, TM, BF16>(dev);
-    const bool pdl = cfg.pdl && pdl_enabled();
+    const RingConfig cfg = pick_config<BITS, TM, BF16>(dev);
+    const bool pdl = cfg.sm90 && pdl_enabled();
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
     const auto opts = c.x.options();
     const int S = static_cast<int>(c.S);
@@ -805,7 +730,7 @@ void run_moe(const Call& c) {
     if (debug) dbgbuf = at::zeros({2 * 64 * 40}, opts.dtype(at::kLong));
     const bool cluster_ok = cfg.cluster && env_int("KBIT_MOE_NO_CLUSTER", 0) == 0;
     auto plan_splits = [&](int groups, int k_tiles, int& kchunk) {
-        int s = choose_splits(groups * est_tiles, k_tiles, slots_gpu);
+        int s = choose_splits(groups * est_tiles, k_tiles, slots_gpu, kMaxSplits);
         if (forced > 0) s = std::min({forced, kMaxSplits, k_tiles});
         kchunk = static_cast<int>(ceil_div(k_tiles, s));
         return static_cast<int>(ceil_div(k_tiles, kchunk));
