@@ -85,6 +85,7 @@ class Config:
     max_copies: int = 64
     l2_bytes: int | None = None  # override of the queried L2 size
     use_graph: bool = True
+    reverse_paths: bool = False  # time linear first (tests for an order effect on clocks)
     time_budget_s: float = 420.0
     vllm_ops_lib: str | None = None
     allow_reference: bool = False
@@ -146,6 +147,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     add("--max-copies", type=int, default=64, help="weight copies, at most")
     add("--l2-bytes", type=int, help="override the queried L2 size")
     add("--no-graph", dest="use_graph", action="store_false", help="time eager calls")
+    add("--reverse-paths", action="store_true",
+        help="time the kbit paths in reverse order (linear, dequant, mma, gemv)")
     add("--time-budget-s", type=float, default=420.0, help="start no new shape/k after this")
     add("--vllm-ops-lib", help="vLLM's _C_stable_libtorch.abi3.so (or .xz), if vllm won't import")
     add("--allow-reference", action="store_true", help="run without vllm_kbit._C (slow)")
@@ -532,7 +535,8 @@ def run_kbit(run: Run, sh: Shape, bits: int, w: torch.Tensor) -> None:
     for m in run.cfg.ms_for(sh):
         x = torch.randn(m, sh.k, device=run.dev, dtype=run.act)
         cells = []
-        for path in [p for p in KBIT_PATHS if p != "gemv" or m <= run.cfg.gemv_max_m]:
+        paths = [p for p in KBIT_PATHS if p != "gemv" or m <= run.cfg.gemv_max_m]
+        for path in reversed(paths) if run.cfg.reverse_paths else paths:
             fns = [kbit_fn(path, x, q, a, cb, bits, sh.n) for q, a in copies]
             cells.append(f"{path} {_cell(measure(run, sh, path, bits, m, fns))}")
         run.log(f"{sh.label:<12} k={bits}  M={m:<5} " + "  ".join(cells) + f" us  (R={R})")
