@@ -55,18 +55,13 @@ __device__ __forceinline__ uint32_t quad_transpose(uint32_t v, int t) {
 
 // 8 consecutive outputs, rounded to nearest like torch's .to(dtype): one 16-byte store
 // (two for fp32). dst is 16-byte aligned: the column is a multiple of 8 and k of 32.
-__device__ __forceinline__ uint32_t pack2(__half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
-__device__ __forceinline__ uint32_t pack2(__nv_bfloat162 h) { return *reinterpret_cast<uint32_t*>(&h); }
-
 __device__ __forceinline__ void store8(__half* dst, const float (&v)[8]) {
-    *reinterpret_cast<uint4*>(dst) =
-        make_uint4(pack2(__floats2half2_rn(v[0], v[1])), pack2(__floats2half2_rn(v[2], v[3])),
-                   pack2(__floats2half2_rn(v[4], v[5])), pack2(__floats2half2_rn(v[6], v[7])));
+    *reinterpret_cast<uint4*>(dst) = make_uint4(pack2<false>(v[0], v[1]), pack2<false>(v[2], v[3]),
+                                                pack2<false>(v[4], v[5]), pack2<false>(v[6], v[7]));
 }
 __device__ __forceinline__ void store8(__nv_bfloat16* dst, const float (&v)[8]) {
-    *reinterpret_cast<uint4*>(dst) = make_uint4(
-        pack2(__floats2bfloat162_rn(v[0], v[1])), pack2(__floats2bfloat162_rn(v[2], v[3])),
-        pack2(__floats2bfloat162_rn(v[4], v[5])), pack2(__floats2bfloat162_rn(v[6], v[7])));
+    *reinterpret_cast<uint4*>(dst) = make_uint4(pack2<true>(v[0], v[1]), pack2<true>(v[2], v[3]),
+                                                pack2<true>(v[4], v[5]), pack2<true>(v[6], v[7]));
 }
 __device__ __forceinline__ void store8(float* dst, const float (&v)[8]) {
     reinterpret_cast<float4*>(dst)[0] = make_float4(v[0], v[1], v[2], v[3]);

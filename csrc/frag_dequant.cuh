@@ -32,6 +32,29 @@ namespace frag {
 constexpr int kXRow = kTileK * 2 + 16;  // smem bytes per token row of an x tile: +16 B so that
                                         // the 8 rows of an ldmatrix hit 8 bank quads
 
+// The CTA of a tile_step kernel: 8 warps, each owning kNT 16-row tiles (every x fragment feeds
+// kNT MMAs), so one CTA covers kGroupTiles weight tiles = kGroupRows rows.
+constexpr int kThreads = 256;
+constexpr int kNT = 2;
+constexpr int kGroupTiles = kThreads / 32 * kNT;  // 16 tiles = 256 rows per CTA
+constexpr int kGroupRows = kGroupTiles * kTileN;
+constexpr int kOutRow = kGroupRows + 4;  // floats per token row of the epilogue tile: +4 so that
+                                         // the accumulator stores are conflict-free
+constexpr int kMaxSplits = 8;            // portable thread-block cluster size
+constexpr int kMaxStages = 4;
+
+// How the split-K partial sums of an output tile are combined.
+enum Mode : int { kDirect = 0, kCluster = 1, kWorkspace = 2 };
+
+// Shared-memory bytes of one pipeline stage and of the epilogue tile (aliases the ring).
+template <int BITS, int TM>
+struct Layout {
+    static constexpr int kW = kGroupTiles * BITS * 256;  // bit planes of 16 tiles
+    static constexpr int kA = kGroupTiles * 64;          // absmax of 16 tiles
+    static constexpr int kStage = kW + kA + TM * kXRow;
+    static constexpr int kOut = TM * kOutRow * 4;
+};
+
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
@@ -170,18 +193,6 @@ __device__ __forceinline__ void build_pair_table(uint8_t* tbl, const uint16_t* c
     }
 }
 
-// Two floats -> packed fp16x2 / bf16x2 bits (low half = first).
-template <bool BF16>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-    if constexpr (BF16) {
-        const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-        return *reinterpret_cast<const uint32_t*>(&h);
-    } else {
-        const __half2 h = __floats2half2_rn(lo, hi);
-        return *reinterpret_cast<const uint32_t*>(&h);
-    }
-}
-
 // One k-tile (128 columns) of one warp owning NT consecutive 16-row tiles and TM tokens:
 // NT x 8 k16 steps x TM/8 token fragments into acc.
 //   planes_s: this warp's first tile's bit planes in shared memory (tile i at + i * BITS * 256);
@@ -281,12 +292,38 @@ __device__ __forceinline__ float4 ld_dsmem(uint32_t local_addr, uint32_t rank) {
 }
 #endif
 
-// ------------------------------------------------------------------- host (mma.cu, moe.cu)
-
-inline int env_int(const char* name, int fallback) {  // test and tuning hooks (KBIT_MMA_*, ...)
-    const char* v = std::getenv(name);
-    return v && *v ? std::atoi(v) : fallback;
+// Accumulators of warp `warp` -> the epilogue tile out[token][row] (c0, c1: row g, tokens 2t,
+// 2t + 1; c2, c3: row g + 8).
+template <int TM>
+__device__ __forceinline__ void store_acc_tile(float* out, const float (&acc)[kNT][TM / 8][4],
+                                               int warp, int lane) {
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int i = 0; i < kNT; ++i)
+#pragma unroll
+        for (int f = 0; f < TM / 8; ++f) {
+            const int row = (warp * kNT + i) * kTileN + g, tok = f * 8 + 2 * t;
+            out[tok * kOutRow + row] = acc[i][f][0];
+            out[(tok + 1) * kOutRow + row] = acc[i][f][1];
+            out[tok * kOutRow + row + 8] = acc[i][f][2];
+            out[(tok + 1) * kOutRow + row + 8] = acc[i][f][3];
+        }
 }
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// Sum of the float4 at `local_addr` over the first `splits` CTAs of the cluster, in rank order
+// (deterministic).
+__device__ __forceinline__ float4 cluster_sum4(uint32_t local_addr, int splits) {
+    float4 v = ld_dsmem(local_addr, 0);
+    for (int src = 1; src < splits; ++src) {
+        const float4 r = ld_dsmem(local_addr, src);
+        v.x += r.x, v.y += r.y, v.z += r.z, v.w += r.w;
+    }
+    return v;
+}
+#endif
+
+// ------------------------------------------------------------------- host (mma.cu, moe.cu)
 
 // Launch configuration of a tile_step kernel on one device.
 struct RingConfig {

@@ -91,16 +91,14 @@ struct Cvt;
 template <>
 struct Cvt<__half> {
     static __device__ __forceinline__ uint32_t pair(float lo, float hi) {
-        const __half2 h = __floats2half2_rn(lo, hi);
-        return *reinterpret_cast<const uint32_t*>(&h);
+        return pack2<false>(lo, hi);
     }
     static __device__ __forceinline__ __half out(float v) { return __float2half_rn(v); }
 };
 template <>
 struct Cvt<__nv_bfloat16> {
     static __device__ __forceinline__ uint32_t pair(float lo, float hi) {
-        const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-        return *reinterpret_cast<const uint32_t*>(&h);
+        return pack2<true>(lo, hi);
     }
     static __device__ __forceinline__ __nv_bfloat16 out(float v) { return __float2bfloat16_rn(v); }
 };
@@ -550,21 +548,9 @@ void launch(const Params& p, const Plan& plan, int device, int64_t smem_max, cud
     // chain of GEMVs gets 10-14% faster (8B layer, M=1), but vLLM decode of an 8B model got ~5%
     // slower (kbit4 batch 1: 278 vs 293 tok/s, benchmarks/results/bench_e2e_h100_pdl.md), so it
     // is off by default.
-    static const bool pdl = [&] {
-        const char* v = std::getenv("KBIT_PDL");
-        return v && *v && *v != '0' && pdl_supported(kernel);
-    }();
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(plan.groups * plan.splits);
-    cfg.blockDim = dim3(kThreads);
-    cfg.dynamicSmemBytes = static_cast<size_t>(plan.smem);
-    cfg.stream = stream;
-    cudaLaunchAttribute attr;
-    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr.val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = &attr;
-    cfg.numAttrs = pdl ? 1 : 0;
-    C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
+    static const bool pdl = env_int("KBIT_PDL", 0) != 0 && pdl_supported(kernel);
+    launch_kernel(kernel, dim3(plan.groups * plan.splits), kThreads, static_cast<int>(plan.smem),
+                  stream, 1, pdl, p);
 }
 
 template <typename T>

@@ -9,6 +9,7 @@
 #include <torch/all.h>
 
 #include <cstdint>
+#include <cstdlib>
 
 namespace kbit {
 
@@ -84,6 +85,52 @@ inline bool pdl_supported(Kernel kernel) {
 // every op equal to the reference for any float32 codebook a caller passes.
 __device__ __forceinline__ float cb_value(const float* cb, int i) {
     return __bfloat162float(__float2bfloat16_rn(__ldg(cb + i)));
+}
+
+inline int env_int(const char* name, int fallback) {  // test and tuning hooks (KBIT_*)
+    const char* v = std::getenv(name);
+    return v && *v ? std::atoi(v) : fallback;
+}
+
+// cudaLaunchKernelEx with an optional thread-block cluster (along y) and the programmatic
+// dependent launch attribute (only for kernels whose pdl_supported() is true).
+template <typename Kernel, typename Arg>
+void launch_kernel(Kernel kernel, dim3 grid, int threads, int smem, cudaStream_t stream,
+                   int cluster_y, bool pdl, const Arg& arg) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(threads);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[2];
+    int n = 0;
+    if (cluster_y > 1) {
+        attr[n].id = cudaLaunchAttributeClusterDimension;
+        attr[n].val.clusterDim.x = 1;
+        attr[n].val.clusterDim.y = cluster_y;
+        attr[n].val.clusterDim.z = 1;
+        ++n;
+    }
+    if (pdl) {
+        attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr[n].val.programmaticStreamSerializationAllowed = 1;
+        ++n;
+    }
+    cfg.attrs = attr;
+    cfg.numAttrs = n;
+    C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, arg));
+}
+
+// Two floats -> packed fp16x2 / bf16x2 bits (low half = first).
+template <bool BF16>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+    if constexpr (BF16) {
+        const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+        return *reinterpret_cast<const uint32_t*>(&h);
+    } else {
+        const __half2 h = __floats2half2_rn(lo, hi);
+        return *reinterpret_cast<const uint32_t*>(&h);
+    }
 }
 
 // Sizes of the runtime layout of W[n, k].

@@ -41,17 +41,6 @@ namespace {
 
 using namespace frag;  // fragment dequantization, shared with moe.cu
 
-constexpr int kThreads = 256;                   // 8 warps
-constexpr int kNT = 2;                          // 16-row tiles per warp (x fragment reuse)
-constexpr int kGroupTiles = kThreads / 32 * kNT;  // 16 n-tiles = 256 rows per CTA
-constexpr int kGroupRows = kGroupTiles * kTileN;
-constexpr int kOutRow = kGroupRows + 4;         // floats per token row of the epilogue tile: +4
-                                                // so the accumulator stores are conflict-free
-constexpr int kMaxSplits = 8;                   // portable thread-block cluster size
-constexpr int kMaxStages = 4;
-
-enum Mode : int { kDirect = 0, kCluster = 1, kWorkspace = 2 };
-
 struct Params {
     const uint8_t* x;      // [M, ldx] fp16/bf16, 16-byte aligned rows
     int64_t ldx_bytes;
@@ -64,14 +53,6 @@ struct Params {
     int ring_off;          // smem bytes before the ring: table + 64 (the table is 64-aligned)
 };
 
-// Shared-memory bytes of one pipeline stage and of the epilogue tile (aliases the ring).
-template <int BITS, int TM>
-struct Layout {
-    static constexpr int kW = kGroupTiles * BITS * 256;  // bit planes of 16 tiles
-    static constexpr int kA = kGroupTiles * 64;          // absmax of 16 tiles
-    static constexpr int kStage = kW + kA + TM * kXRow;
-    static constexpr int kOut = TM * kOutRow * 4;
-};
 
 // ------------------------------------------------------------------------ device helpers
 
@@ -166,7 +147,6 @@ __global__ void __launch_bounds__(kThreads, TM <= 32 ? 2 : 1) mma_kernel(const P
     // T[idx] = (cb[lo], cb[hi]) 2^S; visible after the main loop's first barrier.
     build_pair_table<BITS>(smem + (tbl_base - s_base), cbh, p.copies_log2, tid, kThreads);
 
-    const int g = lane >> 2, t = lane & 3;
     const uint32_t tbl_lane = tbl_base + (lane & ((1 << p.copies_log2) - 1)) * 4;  // own copy
     const uint32_t stride = 4u << p.copies_log2;
     // ldmatrix row addresses: lane -> token (lane & 7) + 8 (lane >> 4), k + 8 ((lane >> 3) & 1)
@@ -203,18 +183,8 @@ __global__ void __launch_bounds__(kThreads, TM <= 32 ? 2 : 1) mma_kernel(const P
     cp_async_wait<0>();
     __syncthreads();  // the ring and the table are dead: reuse them for the output tile
 
-    // Accumulators -> out[token][row] (c0,c1: row g, tokens 2t, 2t+1; c2,c3: row g + 8).
     float* out = reinterpret_cast<float*>(smem);
-#pragma unroll
-    for (int i = 0; i < kNT; ++i)
-#pragma unroll
-        for (int f = 0; f < TM / 8; ++f) {
-            const int row = (warp * kNT + i) * kTileN + g, tok = f * 8 + 2 * t;
-            out[tok * kOutRow + row] = acc[i][f][0];
-            out[(tok + 1) * kOutRow + row] = acc[i][f][1];
-            out[tok * kOutRow + row + 8] = acc[i][f][2];
-            out[(tok + 1) * kOutRow + row + 8] = acc[i][f][3];
-        }
+    store_acc_tile<TM>(out, acc, warp, lane);
 
     // Write-out in float4 units (4 rows of one token): coalesced along n.
     constexpr int kRowUnits = kGroupRows / 4, kUnits = TM * kRowUnits;
@@ -229,12 +199,7 @@ __global__ void __launch_bounds__(kThreads, TM <= 32 ? 2 : 1) mma_kernel(const P
         for (int u = rank * per + tid; u < min(kUnits, (rank + 1) * per); u += kThreads) {
             const int tok = u / kRowUnits, r4 = (u % kRowUnits) * 4;
             if (tok >= m_valid) continue;
-            const uint32_t addr = s_base + (tok * kOutRow + r4) * 4;
-            float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-            for (int src = 0; src < p.splits; ++src) {
-                const float4 r = ld_dsmem(addr, src);
-                v.x += r.x, v.y += r.y, v.z += r.z, v.w += r.w;
-            }
+            const float4 v = cluster_sum4(s_base + (tok * kOutRow + r4) * 4, p.splits);
             store_y<BF16>(p.y, m0 + tok, n0 + r4, p.n, v);
         }
         cluster_sync();
@@ -318,19 +283,8 @@ void run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& absma
     p.copies_log2 = c.copies_log2, p.ring_off = c.table_bytes + 64;
 
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(n_groups, splits, m_tiles);
-    cfg.blockDim = dim3(kThreads);
-    cfg.dynamicSmemBytes = c.smem;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = 1;
-    attr[0].val.clusterDim.y = splits;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = mode == kCluster ? 1 : 0;
-    C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, mma_kernel<BITS, TM, BF16>, p));
+    launch_kernel(mma_kernel<BITS, TM, BF16>, dim3(n_groups, splits, m_tiles), kThreads, c.smem,
+                  stream, mode == kCluster ? splits : 1, false, p);
     if (mode == kWorkspace) {
         const int64_t count = int64_t{M} * s.n;
         const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(count, 256), slots * 4));

@@ -52,20 +52,12 @@ namespace {
 
 using namespace frag;
 
-constexpr int kThreads = 256;                      // 8 warps
-constexpr int kNT = 2;                             // 16-row tiles per warp
-constexpr int kGroupTiles = kThreads / 32 * kNT;   // 16 tiles = 256 weight rows per CTA
-constexpr int kGroupRows = kGroupTiles * kTileN;
-constexpr int kOutRow = kGroupRows + 4;            // floats per token row of the epilogue tile
-constexpr int kMaxSplits = 8;                      // portable cluster size
-constexpr int kMaxStages = 4;
 constexpr int kSmallSlots = kThreads;              // <= this many slots: routing inside the CTAs
 constexpr int kRouteThreads = 1024;
 constexpr int kMaxExperts = 4096;                  // routing histograms live in shared memory
 constexpr int64_t kSlotsMaxBytes = int64_t{32} << 20;  // per-slot fp32 rows up to this size
 
 enum Gemm : int { kGateUp = 0, kDown = 1 };
-enum Mode : int { kDirect = 0, kCluster = 1, kWorkspace = 2 };
 enum OutMode : int { kSlots = 0, kAtomic = 1 };
 enum Act : int { kSilu = 0, kGelu = 1, kGeluTanh = 2 };
 
@@ -112,13 +104,6 @@ struct GemmParams {
     int dbg_level;          // 1: stop after routing, 2: after the prologue, 3: after the main loop
 };
 
-template <int BITS, int TM>
-struct Layout {
-    static constexpr int kW = kGroupTiles * BITS * 256;  // bit planes of 16 tiles
-    static constexpr int kA = kGroupTiles * 64;          // absmax of 16 tiles
-    static constexpr int kStage = kW + kA + TM * kXRow;
-    static constexpr int kOut = TM * kOutRow * 4;
-};
 
 // ------------------------------------------------------------------------ device helpers
 
@@ -401,7 +386,6 @@ __global__ void __launch_bounds__(kThreads, TM <= 32 ? 2 : 1) moe_gemm_kernel(co
         return;
     }
 
-    const int g = lane >> 2, t = lane & 3;
     const uint32_t tbl_lane = tbl_base + (lane & ((1 << p.copies_log2) - 1)) * 4;
     const uint32_t stride = 4u << p.copies_log2;
     const int x_tok = TM == 8 ? (lane & 7) : (lane & 7) + ((lane >> 4) << 3);
@@ -443,18 +427,8 @@ __global__ void __launch_bounds__(kThreads, TM <= 32 ? 2 : 1) moe_gemm_kernel(co
     __syncthreads();  // the ring and the table are dead: reuse them for the output tile
     if (p.dbg_level == 3) return;
 
-    // Accumulators -> out[token][row] (c0,c1: row g, tokens 2t, 2t+1; c2,c3: row g + 8).
     float* out = reinterpret_cast<float*>(smem);
-#pragma unroll
-    for (int i = 0; i < kNT; ++i)
-#pragma unroll
-        for (int f = 0; f < TM / 8; ++f) {
-            const int row = (warp * kNT + i) * kTileN + g, tok = f * 8 + 2 * t;
-            out[tok * kOutRow + row] = acc[i][f][0];
-            out[(tok + 1) * kOutRow + row] = acc[i][f][1];
-            out[tok * kOutRow + row + 8] = acc[i][f][2];
-            out[(tok + 1) * kOutRow + row + 8] = acc[i][f][3];
-        }
+    store_acc_tile<TM>(out, acc, warp, lane);
 
     // Write-out in float4 units (4 rows of one token). gate_up: unit = (token, 4 gate rows), its
     // up rows are 128 further; down: unit = (token, 4 rows).
@@ -495,12 +469,7 @@ __global__ void __launch_bounds__(kThreads, TM <= 32 ? 2 : 1) moe_gemm_kernel(co
         const int rank = static_cast<int>(cluster_rank()), per = (units + p.splits - 1) / p.splits;
         const int nsplit = p.splits;
         for (int u = rank * per + tid; u < min(units, (rank + 1) * per); u += kThreads)
-            emit(u, [&](int off) {
-                const uint32_t addr = s_base + off * 4;
-                float4 v = ld_dsmem(addr, 0);
-                for (int src = 1; src < nsplit; ++src) v = f4add(v, ld_dsmem(addr, src));
-                return v;
-            });
+            emit(u, [&](int off) { return cluster_sum4(s_base + off * 4, nsplit); });
         cluster_sync();
 #endif
         return;
@@ -636,34 +605,6 @@ RingConfig pick_config(int dev) {
 
 bool pdl_enabled() { return env_int("KBIT_MOE_NO_PDL", 0) == 0; }
 
-// cudaLaunchKernelEx with optional cluster (along y) and programmatic-dependent-launch attributes.
-template <typename Kernel, typename Arg>
-void launch(Kernel kernel, dim3 grid, int threads, int smem, cudaStream_t stream, int cluster_y,
-            bool pdl, const Arg& arg) {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = dim3(threads);
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[2];
-    int n = 0;
-    if (cluster_y > 1) {
-        attr[n].id = cudaLaunchAttributeClusterDimension;
-        attr[n].val.clusterDim.x = 1;
-        attr[n].val.clusterDim.y = cluster_y;
-        attr[n].val.clusterDim.z = 1;
-        ++n;
-    }
-    if (pdl) {
-        attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        attr[n].val.programmaticStreamSerializationAllowed = 1;
-        ++n;
-    }
-    cfg.attrs = attr;
-    cfg.numAttrs = n;
-    C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, arg));
-}
-
 struct Call {  // everything the host knows about one kbit::moe call
     at::Tensor x, y, ids, tw, emap;
     const at::Tensor *w13q, *w13a, *w2q, *w2a, *cb;
@@ -718,7 +659,7 @@ void run_moe(const Call& c) {
         rp.tiles = reinterpret_cast<int4*>(base + sorted_n);
         rp.num_tiles = base + sorted_n + 4 * max_tiles;
         rp.tile_m = TM;
-        launch(moe_route_kernel, dim3(1), kRouteThreads, static_cast<int>(2 * c.E * 4), stream, 1,
+        launch_kernel(moe_route_kernel, dim3(1), kRouteThreads, static_cast<int>(2 * c.E * 4), stream, 1,
                pdl, rp);
         rt.sorted = rp.sorted, rt.tiles = rp.tiles, rt.num_tiles = rp.num_tiles;
     }
@@ -791,7 +732,7 @@ void run_moe(const Call& c) {
                     (long long)c.T, (long long)c.S, TM, (int)small, g1, splits1,
                     (long long)max_tiles, kchunk1, mode1, cfg.stages, cfg.smem, cfg.copies_log2,
                     c.x.data_ptr(), (long long)p.ldx_bytes, (int)pdl);
-        launch(moe_gemm_kernel<BITS, TM, BF16>, dim3(g1, splits1, static_cast<unsigned>(max_tiles)), kThreads, cfg.smem,
+        launch_kernel(moe_gemm_kernel<BITS, TM, BF16>, dim3(g1, splits1, static_cast<unsigned>(max_tiles)), kThreads, cfg.smem,
                stream, mode1 == kCluster ? splits1 : 1, pdl, p);
         if (mode1 == kWorkspace) {
             const int64_t units = c.S * c.I / 4;
@@ -820,7 +761,7 @@ void run_moe(const Call& c) {
         p.kchunk = kchunk2, p.splits = splits2, p.mode = mode2;
         p.debug = debug ? act_buf.numel() * 2 : 0;
         p.out_mode = atomic ? kAtomic : kSlots;
-        launch(moe_gemm_kernel<BITS, TM, BF16>, dim3(g2, splits2, static_cast<unsigned>(max_tiles)), kThreads, cfg.smem,
+        launch_kernel(moe_gemm_kernel<BITS, TM, BF16>, dim3(g2, splits2, static_cast<unsigned>(max_tiles)), kThreads, cfg.smem,
                stream, mode2 == kCluster ? splits2 : 1, pdl && mode1 != kWorkspace, p);
     }
     // combine.
@@ -836,7 +777,7 @@ void run_moe(const Call& c) {
         p.weight_on_input = c.weight_on_input;
         const int64_t units = c.T * c.H / 4;
         const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(units, 256), slots_gpu * 2));
-        launch(moe_combine_kernel<BF16>, dim3(blocks), 256, 0, stream, 1, pdl, p);
+        launch_kernel(moe_combine_kernel<BF16>, dim3(blocks), 256, 0, stream, 1, pdl, p);
     }
     if (debug) {  // test hook: the per-CTA routing records (synchronises)
         C10_CUDA_CHECK(cudaDeviceSynchronize());
