@@ -13,6 +13,7 @@ import functools
 
 import pytest
 import torch
+from error_bound import assert_within_2x
 
 from vllm_kbit import _ops
 from vllm_kbit import reference as ref
@@ -67,17 +68,7 @@ def _check(y: torch.Tensor, x: torch.Tensor, w32: torch.Tensor) -> None:
     assert bool(torch.isfinite(y).all())
     oracle = x.float() @ w32.t()
     base = (x.float() @ w32.to(x.dtype).float().t()).to(x.dtype).float()
-    err, err_base = (y.float() - oracle).abs(), (base - oracle).abs()
-    # floors: one ulp of the largest output (max), of a typical output / sqrt(count) (mean)
-    eps = torch.finfo(x.dtype).eps
-    floor_max = eps * oracle.abs().max().item()
-    floor_mean = eps * oracle.abs().mean().item() / oracle.numel() ** 0.5
-    assert err.max().item() <= 2 * err_base.max().item() + floor_max, (
-        f"max err {err.max().item():.3g} vs dequant+matmul {err_base.max().item():.3g}"
-    )
-    assert err.mean().item() <= 2 * err_base.mean().item() + floor_mean, (
-        f"mean err {err.mean().item():.3g} vs dequant+matmul {err_base.mean().item():.3g}"
-    )
+    assert_within_2x(y, base, oracle, x.dtype, "dequant+matmul")
 
 
 def _mma(x, qt, at, cb, bits, n):
