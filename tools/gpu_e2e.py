@@ -54,6 +54,7 @@ TINY = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
             tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
             initializer_range=0.02, hidden_act="silu")  # fmt: skip
 from benchmarks.bench_e2e import LLAMA_8B, QWEN3_30B_A3B  # noqa: E402  (one definition each)
+from benchmarks.serving import group_alive  # noqa: E402  (live members of a process group)
 SPECIAL = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
 WORDS = ("hello world the a an of to and in is it you that he was for on are with as I his they "
          "be at one have this from or had by hot word but what some we can out other were all "
@@ -369,21 +370,6 @@ def worker(spec_path: Path, result_path: Path) -> None:
 _GROUPS: set[int] = set()  # process groups this process started and has not ended yet
 
 
-def _alive_in_group(pgid: int) -> list[int]:
-    pids = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2 :].split()  # state ppid pgrp ...
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            pids.append(int(d.name))
-    return pids
-
-
 def kill_group(pgid: int, wait_s: float = 30.0) -> None:
     """SIGKILL the process group we started and wait until none of it is alive (GPU freed)."""
     try:
@@ -391,7 +377,7 @@ def kill_group(pgid: int, wait_s: float = 30.0) -> None:
     except ProcessLookupError:
         pass
     t_end = time.time() + wait_s
-    while _alive_in_group(pgid) and time.time() < t_end:
+    while group_alive(pgid) and time.time() < t_end:
         time.sleep(0.2)
     _GROUPS.discard(pgid)
     time.sleep(1.0)  # let the driver release the memory
