@@ -35,7 +35,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdio>
 #include <cstdlib>
 #include <mutex>
 #include <string>
@@ -99,9 +98,6 @@ struct GemmParams {
     int64_t zero_count;     // float4 units
     int gemm, K, n_tiles, k_tiles, half_tiles, n_out, n_ws;
     int kchunk, splits, stages, mode, out_mode, act, weight_on_input, copies_log2, ring_off;
-    int64_t debug;          // KBIT_MOE_DEBUG: bytes of x (bounds-checks the gathers)
-    int64_t* dbg;           // KBIT_MOE_DEBUG: per-CTA records [2][64][40]
-    int dbg_level;          // 1: stop after routing, 2: after the prologue, 3: after the main loop
 };
 
 
@@ -237,6 +233,18 @@ __device__ __forceinline__ void find_tile(const Routing& rt, int z, int* s_slot,
     __syncthreads();
 }
 
+// The n-tile of the expert's weight that local tile i (0..15) of column group `grp` computes, or
+// -1 past the weight's rows. gate_up: local tiles 0-7 are gate tiles 8 grp .. 8 grp + 7, tiles
+// 8-15 the matching up tiles (I/16 + 8 grp ..); down: tiles 16 grp .. 16 grp + 15.
+__device__ __forceinline__ int expert_tile(const GemmParams& p, bool gate_up, int grp, int i) {
+    if (gate_up) {
+        const int h = grp * 8 + (i & 7);
+        return h < p.half_tiles ? (i < 8 ? h : p.half_tiles + h) : -1;
+    }
+    const int t = grp * kGroupTiles + i;
+    return t < p.n_tiles ? t : -1;
+}
+
 // ------------------------------------------------------------------------------ kernels
 
 // Grid (column groups, splits, max tiles). gemm = kGateUp: local tiles 0-7 are gate tiles
@@ -291,24 +299,19 @@ __global__ void __launch_bounds__(kThreads, TM <= 32 ? 2 : 1) moe_gemm_kernel(co
     // Copy roles, fixed per thread (sources advance by one k-tile per load):
     //  planes: 16-byte chunk (tid & 15) + 16 j of tile tid / 16; absmax: tid < 64, chunk tid & 3
     //  of tile tid / 4; x: rows tid / 16 + 16 i, columns 8 (tid & 15) .. + 7 of the k-tile.
-    // Tiles past n read a valid tile and are zero-filled; so are rows >= `rows`, cols >= K.
-    auto tile_of = [&](int i, bool& ok) {  // local tile -> n-tile of the expert's weight
-        if (gate_up) {
-            const int h = grp * 8 + (i & 7);
-            ok = h < p.half_tiles;
-            return (i < 8 ? 0 : p.half_tiles) + min(h, p.half_tiles - 1);
-        }
-        const int t = grp * kGroupTiles + i;
-        ok = t < p.n_tiles;
-        return min(t, p.n_tiles - 1);
-    };
+    // Tiles past n are zero-filled from the (valid, never advanced) base address; so are rows
+    // >= `rows` and columns >= K.
     const int w_tile = tid >> 4, a_tile = (tid >> 2) & (kGroupTiles - 1), x_row = tid >> 4;
-    bool w_ok, a_ok;
-    const int w_nt = tile_of(w_tile, w_ok), a_nt = tile_of(a_tile, a_ok);
-    const uint8_t* w_next = p.qw + expert * p.qw_expert +
-                            (int64_t{w_nt} * p.k_tiles + kbeg) * (BITS * 256) + (tid & 15) * 16;
+    const int w_nt = expert_tile(p, gate_up, grp, w_tile), a_nt = expert_tile(p, gate_up, grp, a_tile);
+    const bool w_ok = w_nt >= 0, a_ok = a_nt >= 0;
+    const uint8_t* w_next =
+        w_ok ? p.qw + expert * p.qw_expert + (int64_t{w_nt} * p.k_tiles + kbeg) * (BITS * 256) +
+                   (tid & 15) * 16
+             : p.qw;
     const uint8_t* a_next =
-        p.am + expert * p.am_expert + (int64_t{a_nt} * p.k_tiles + kbeg) * 64 + (tid & 3) * 16;
+        a_ok ? p.am + expert * p.am_expert + (int64_t{a_nt} * p.k_tiles + kbeg) * 64 + (tid & 3) * 16
+             : p.am;
+    const int w_step = w_ok ? BITS * 256 : 0, a_step = a_ok ? 64 : 0;
     constexpr int kXJ = TM >= 16 ? TM / 16 : 1;  // x rows per thread
     const int x_col = (tid & 15) * 8;
     int x_k = kbeg * kTileK + x_col;
@@ -318,20 +321,6 @@ __global__ void __launch_bounds__(kThreads, TM <= 32 ? 2 : 1) moe_gemm_kernel(co
         s_row[tid] = src >= 0 ? src * p.ldx_bytes : int64_t{-1};
     }
     __syncthreads();
-    if (p.dbg != nullptr && tid == 0) {
-        const int bid = (blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
-        if (bid < 64) {
-            int64_t* r = p.dbg + (p.gemm * 64 + bid) * 40;
-            r[0] = 1, r[1] = p.gemm, r[2] = blockIdx.x, r[3] = blockIdx.y, r[4] = blockIdx.z;
-            r[5] = expert, r[6] = rows, r[7] = kbeg, r[8] = nk, r[9] = p.stages, r[10] = p.ring_off;
-            r[11] = p.copies_log2, r[12] = p.rt.S, r[13] = p.rt.topk, r[14] = p.rt.E;
-            for (int i = 0; i < 8 && i < TM; ++i) r[15 + i] = s_slot[i], r[23 + i] = s_row[i];
-            r[31] = reinterpret_cast<int64_t>(p.x), r[32] = p.ldx_bytes;
-            r[33] = reinterpret_cast<int64_t>(p.qw), r[34] = p.qw_expert, r[35] = p.K;
-            r[36] = p.k_tiles, r[37] = p.kchunk, r[38] = x_k, r[39] = s_base;
-        }
-    }
-    if (p.dbg_level == 1) return;
     int load_slot = 0;
     auto load_w = [&]() {  // weights of the next k-tile into the next ring slot
         const uint32_t st = s_base + p.ring_off + load_slot * L::kStage;
@@ -340,7 +329,7 @@ __global__ void __launch_bounds__(kThreads, TM <= 32 ? 2 : 1) moe_gemm_kernel(co
             cp_async16(st + w_tile * (BITS * 256) + (tid & 15) * 16 + j * 256, w_next + j * 256,
                        w_ok);
         if (tid < kGroupTiles * 4) cp_async16(st + L::kW + tid * 16, a_next, a_ok);
-        w_next += BITS * 256, a_next += 64;
+        w_next += w_step, a_next += a_step;
     };
     auto load_x = [&]() {  // the same k-tile's activation rows
         const uint32_t st = s_base + p.ring_off + load_slot * L::kStage;
@@ -354,10 +343,6 @@ __global__ void __launch_bounds__(kThreads, TM <= 32 ? 2 : 1) moe_gemm_kernel(co
                 if (row_off >= 0 && k_ok) {
                     src = p.x + (row_off + 2 * static_cast<int64_t>(x_k));
                     ok = true;
-                }
-                if (p.debug) {
-                    const bool inside = src >= p.x && src + 16 <= p.x + p.debug;
-                    if (!inside) ok = false, src = p.x;
                 }
                 cp_async16(st + L::kW + L::kA + (x_row + 16 * i) * kXRow + x_col * 2, src, ok);
             }
@@ -380,18 +365,12 @@ __global__ void __launch_bounds__(kThreads, TM <= 32 ? 2 : 1) moe_gemm_kernel(co
     if (!gate_up) pdl_wait();
     for (int s = 0; s < pre; ++s) load_x();
     cp_async_commit();
-    if (p.dbg_level == 2) {
-        cp_async_wait<0>();
-        __syncthreads();
-        return;
-    }
 
     const uint32_t tbl_lane = tbl_base + (lane & ((1 << p.copies_log2) - 1)) * 4;
     const uint32_t stride = 4u << p.copies_log2;
     const int x_tok = TM == 8 ? (lane & 7) : (lane & 7) + ((lane >> 4) << 3);
     const uint32_t x_lane0 = s_base + L::kW + L::kA + x_tok * kXRow + ((lane >> 3) & 1) * 16;
-    bool warp_busy;
-    tile_of(warp * kNT, warp_busy);
+    const bool warp_busy = expert_tile(p, gate_up, grp, warp * kNT) >= 0;
 
     float acc[kNT][TM / 8][4];
 #pragma unroll
@@ -425,7 +404,6 @@ __global__ void __launch_bounds__(kThreads, TM <= 32 ? 2 : 1) moe_gemm_kernel(co
     }
     cp_async_wait<0>();
     __syncthreads();  // the ring and the table are dead: reuse them for the output tile
-    if (p.dbg_level == 3) return;
 
     float* out = reinterpret_cast<float*>(smem);
     store_acc_tile<TM>(out, acc, warp, lane);
@@ -665,10 +643,6 @@ void run_moe(const Call& c) {
     }
 
     const int forced = env_int("KBIT_MOE_SPLITS", 0);
-    const int dbg_level = env_int("KBIT_MOE_DEBUG", 0);
-    const bool debug = dbg_level != 0;
-    at::Tensor dbgbuf;
-    if (debug) dbgbuf = at::zeros({2 * 64 * 40}, opts.dtype(at::kLong));
     const bool cluster_ok = cfg.cluster && env_int("KBIT_MOE_NO_CLUSTER", 0) == 0;
     auto plan_splits = [&](int groups, int k_tiles, int& kchunk) {
         int s = choose_splits(groups * est_tiles, k_tiles, slots_gpu, kMaxSplits);
@@ -686,8 +660,6 @@ void run_moe(const Call& c) {
     base.ring_off = cfg.table_bytes + 64;
     base.act = c.act;
     base.weight_on_input = c.weight_on_input;
-    base.dbg = debug ? dbgbuf.data_ptr<int64_t>() : nullptr;
-    base.dbg_level = dbg_level >= 4 ? 0 : dbg_level;
 
     // Down GEMM output: per-slot rows (deterministic) or the atomic accumulator.
     const int g2 = static_cast<int>(ceil_div(c.s2.n_tiles, kGroupTiles));
@@ -725,13 +697,6 @@ void run_moe(const Call& c) {
         p.half_tiles = half_tiles;
         p.n_out = static_cast<int>(c.I), p.n_ws = static_cast<int>(2 * c.I);
         p.kchunk = kchunk1, p.splits = splits1, p.mode = mode1, p.out_mode = kSlots;
-        p.debug = debug ? ((c.T - 1) * c.x.stride(0) + c.H) * 2 : 0;
-        if (debug)
-            fprintf(stderr, "kbit-moe dbg host gate_up: T=%lld S=%lld TM=%d small=%d grid=(%d,%d,%lld) "
-                    "kchunk=%d mode=%d stages=%d smem=%d copies_log2=%d x=%p ldx=%lld pdl=%d\n",
-                    (long long)c.T, (long long)c.S, TM, (int)small, g1, splits1,
-                    (long long)max_tiles, kchunk1, mode1, cfg.stages, cfg.smem, cfg.copies_log2,
-                    c.x.data_ptr(), (long long)p.ldx_bytes, (int)pdl);
         launch_kernel(moe_gemm_kernel<BITS, TM, BF16>, dim3(g1, splits1, static_cast<unsigned>(max_tiles)), kThreads, cfg.smem,
                stream, mode1 == kCluster ? splits1 : 1, pdl, p);
         if (mode1 == kWorkspace) {
@@ -759,7 +724,6 @@ void run_moe(const Call& c) {
         p.half_tiles = 0;
         p.n_out = static_cast<int>(c.H), p.n_ws = static_cast<int>(c.H);
         p.kchunk = kchunk2, p.splits = splits2, p.mode = mode2;
-        p.debug = debug ? act_buf.numel() * 2 : 0;
         p.out_mode = atomic ? kAtomic : kSlots;
         launch_kernel(moe_gemm_kernel<BITS, TM, BF16>, dim3(g2, splits2, static_cast<unsigned>(max_tiles)), kThreads, cfg.smem,
                stream, mode2 == kCluster ? splits2 : 1, pdl && mode1 != kWorkspace, p);
@@ -778,26 +742,6 @@ void run_moe(const Call& c) {
         const int64_t units = c.T * c.H / 4;
         const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(units, 256), slots_gpu * 2));
         launch_kernel(moe_combine_kernel<BF16>, dim3(blocks), 256, 0, stream, 1, pdl, p);
-    }
-    if (debug) {  // test hook: the per-CTA routing records (synchronises)
-        C10_CUDA_CHECK(cudaDeviceSynchronize());
-        const at::Tensor h = dbgbuf.cpu();
-        const int64_t* r = h.data_ptr<int64_t>();
-        for (int i = 0; i < 128; ++i, r += 40) {
-            if (r[0] == 0) continue;
-            fprintf(stderr, "kbit-moe dbg cta gemm=%lld blk=(%lld,%lld,%lld) e=%lld rows=%lld kbeg=%lld "
-                    "nk=%lld stages=%lld ring=%lld cl=%lld S=%lld topk=%lld E=%lld slot=[%lld %lld %lld %lld] "
-                    "row=[%lld %lld %lld %lld] x=%llx ldx=%lld qw=%llx qwe=%lld K=%lld kt=%lld kc=%lld "
-                    "xk=%lld sbase=%llx\n",
-                    (long long)r[1], (long long)r[2], (long long)r[3], (long long)r[4], (long long)r[5],
-                    (long long)r[6], (long long)r[7], (long long)r[8], (long long)r[9], (long long)r[10],
-                    (long long)r[11], (long long)r[12], (long long)r[13], (long long)r[14],
-                    (long long)r[15], (long long)r[16], (long long)r[17], (long long)r[18],
-                    (long long)r[23], (long long)r[24], (long long)r[25], (long long)r[26],
-                    (long long)r[31], (long long)r[32], (long long)r[33], (long long)r[34],
-                    (long long)r[35], (long long)r[36], (long long)r[37], (long long)r[38],
-                    (long long)r[39]);
-        }
     }
 }
 
