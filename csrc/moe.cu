@@ -353,17 +353,27 @@ __global__ void __launch_bounds__(kThreads, TM <= 32 ? 2 : 1) moe_gemm_kernel(co
 
     // Prologue: the first stages-1 k-tiles' weights, then (down GEMM: after waiting for the
     // gate_up GEMM) their activations, as one commit group.
+    // Both loops have a compile-time trip count and a guard. Do not write them as `s < pre`:
+    // ptxas of CUDA 13.0 compiled that loop (moe_gemm_kernel<2, 8, false>, sm_90) into a 4x
+    // unrolled body whose entry test, a fused 3-way max (VIMNMX3), takes +stages where the
+    // trip count needs -stages. The unrolled body then ran with a remaining count of 0 - 4k and
+    // kept copying k-tiles until it left mapped memory (illegal address on H100).
     const int pre = min(p.stages - 1, nk);
     {
         const int keep = load_slot;
-        for (int s = 0; s < pre; ++s) {
-            load_w();
-            load_slot = load_slot + 1 == p.stages ? 0 : load_slot + 1;
+#pragma unroll
+        for (int s = 0; s < kMaxStages - 1; ++s) {
+            if (s < pre) {
+                load_w();
+                load_slot = load_slot + 1 == p.stages ? 0 : load_slot + 1;
+            }
         }
         load_slot = keep;
     }
     if (!gate_up) pdl_wait();
-    for (int s = 0; s < pre; ++s) load_x();
+#pragma unroll
+    for (int s = 0; s < kMaxStages - 1; ++s)
+        if (s < pre) load_x();
     cp_async_commit();
 
     const uint32_t tbl_lane = tbl_base + (lane & ((1 << p.copies_log2) - 1)) * 4;
