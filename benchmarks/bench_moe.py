@@ -199,7 +199,6 @@ def main(argv=None) -> int:
     t0 = time.monotonic()
     import os
 
-    os.environ.setdefault("KBIT_MOE_KERNEL", "1")  # the CUDA kernel is opt-in (torch_bindings.cpp)
     for kv in filter(None, a.env.split(",")):
         k, _, v = kv.partition("=")
         os.environ[k] = v

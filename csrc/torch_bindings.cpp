@@ -18,12 +18,12 @@ TORCH_LIBRARY_IMPL(kbit, CUDA, m) {
     m.impl("linear", &kbit::linear);
 }
 
-// kbit::moe's CUDA kernel (moe.cu) is opt-in until it passes tests/test_cuda_moe.py on a GPU:
-// registered only when KBIT_MOE_KERNEL=1 is set as vllm_kbit._C is imported. Otherwise
-// vllm_kbit._ops serves CUDA tensors with the pure-PyTorch reference (correct, slow, host sync).
+// kbit::moe's CUDA kernel (moe.cu). Escape hatch: KBIT_MOE_REFERENCE=1 set as vllm_kbit._C is
+// imported leaves it unregistered, so that vllm_kbit._ops serves CUDA tensors with the
+// pure-PyTorch reference (correct, slow, host sync: no CUDA graphs).
 static const bool kbit_moe_kernel_registered = [] {
-    const char* v = std::getenv("KBIT_MOE_KERNEL");
-    if (v == nullptr || std::string_view(v) != "1") return false;
+    const char* v = std::getenv("KBIT_MOE_REFERENCE");
+    if (v != nullptr && std::string_view(v) == "1") return false;
     static torch::Library lib(torch::Library::IMPL, "kbit", c10::DispatchKey::CUDA, __FILE__,
                               __LINE__);
     lib.impl("moe", &kbit::moe);

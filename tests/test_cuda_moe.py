@@ -11,8 +11,8 @@ token tiles 8..64, with and without programmatic dependent launch), and under CU
 When vLLM is importable, its bf16 ``fused_experts`` on the dequantized weights is checked the
 same way.
 
-The CUDA kernel is opt-in (csrc/torch_bindings.cpp): run with ``KBIT_MOE_KERNEL=1`` in the
-environment; without it kbit::moe is the reference on CUDA tensors and these tests skip.
+With ``KBIT_MOE_REFERENCE=1`` in the environment (csrc/torch_bindings.cpp) the kernel is not
+registered, kbit::moe is the reference on CUDA tensors and these tests skip.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def _kernels():
     if not hasattr(OPS, "moe") or not torch._C._dispatch_has_kernel_for_dispatch_key(
         "kbit::moe", "CUDA"
     ) or "moe" in getattr(_ops, "_cuda_reference_ops", []):
-        pytest.skip("no kbit::moe CUDA kernel (set KBIT_MOE_KERNEL=1, rebuild the extension)")
+        pytest.skip("no kbit::moe CUDA kernel (KBIT_MOE_REFERENCE=1, or rebuild the extension)")
     prev = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 oracle must really be fp32
     yield

@@ -714,15 +714,15 @@ def check_tp2(ctx, which: str) -> bool:
     """Tensor parallel 2 vs 1 on the same kbit4 checkpoint (needs 2 GPUs): greedy tokens agree
     (near-ties aside: TP changes the reduction order) and step-0 top-1 logprobs within the
     tolerance. Dense: TP=2 eager and TP=2 compiled + CUDA graphs; MoE (Qwen3-30B-A3B-shaped,
-    I=768 -> 384 per rank): TP=2 eager (kbit::moe runs its PyTorch reference on the GPU until the
-    CUDA kernel is enabled by default, and the reference cannot be captured in a CUDA graph)."""
+    I=768 -> 384 per rank): TP=2 eager and TP=2 compiled + CUDA graphs (the grouped kbit::moe
+    kernel; under KBIT_MOE_REFERENCE=1 the compiled run cannot capture the reference)."""
     name = f"tp2_{which}"
     if which == "dense":
         model, timeout, tol = paths(Path(ctx.work))["kbit"], ctx.llm_timeout, LOGPROB_TOL
         runs = [("tp1_eager", 1, True), ("tp2_eager", 2, True), ("tp2_compiled", 2, False)]
     else:
         model, timeout, tol = build_moe(Path(ctx.work), "qwen3")["kbit"], ctx.moe_timeout, MOE_LOGPROB_TOL
-        runs = [("tp1_eager", 1, True), ("tp2_eager", 2, True)]
+        runs = [("tp1_eager", 1, True), ("tp2_eager", 2, True), ("tp2_compiled", 2, False)]
     res = {}
     for run, tp, eager in runs:
         extra = ctx.compiled_timeout if not eager else 0

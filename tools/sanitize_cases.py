@@ -45,7 +45,7 @@ os.environ.pop("KBIT_FORCE_KERNEL", None)
 
 # kbit::moe: in-CTA routing and the routing kernel, cluster / workspace split-K, per-slot rows
 # and atomics, an expert map with -1, a partial column group (I = 96) and k-tile (H = 160).
-# (the CUDA kernel is opt-in: KBIT_MOE_KERNEL=1; otherwise kbit::moe is the reference on CUDA)
+# (skipped under KBIT_MOE_REFERENCE=1, where kbit::moe is the reference on CUDA)
 if hasattr(K_OPS, "moe") and "moe" not in getattr(ops, "_cuda_reference_ops", ["moe"]):
     from vllm_kbit import reference_moe
 
