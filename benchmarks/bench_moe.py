@@ -217,6 +217,7 @@ def main(argv=None) -> int:
     meta = run_metadata(["benchmarks/bench_moe.py", *(sys.argv[1:] if argv is None else argv)])
     meta["kbit_backend"] = backend
     meta["env"] = a.env
+    meta["complete"] = False  # set when every shape ran (files are rewritten as the run goes)
     l2 = l2_cache_bytes()
     notes: list[str] = []
     vllm_make = marlin = None
@@ -235,9 +236,27 @@ def main(argv=None) -> int:
     print(f"device {meta.get('device')}, torch {torch.__version__}, kbit {backend}, vllm "
           f"{meta.get('vllm')}; " + "; ".join(notes), flush=True)  # fmt: skip
 
+    name = f"bench_moe{('_' + a.tag) if a.tag else ''}"
+
+    def write_results() -> str:
+        """(Re)writes the JSON and markdown with everything measured so far: a run cut short by
+        the caller's timeout still leaves its files."""
+        meta["elapsed_s"] = round(time.monotonic() - t0, 1)
+        a.out.mkdir(parents=True, exist_ok=True)
+        (a.out / f"{name}.json").write_text(json.dumps(
+            {"meta": meta, "notes": notes, "checks": checks, "points": [asdict(p) for p in points]},
+            indent=1))  # fmt: skip
+        md = markdown(points, meta, notes, checks, shapes)
+        (a.out / f"{name}.md").write_text(md)
+        return md
+
     def measure(sh, method, bits, m, fns, active, ebytes):
         p = Point(sh, method, bits, m, calls=len(fns), active_experts=active,
                   weight_bytes=active * ebytes)  # fmt: skip
+        if time.monotonic() - t0 > a.time_budget_s:
+            p.status = "skipped (time budget)"
+            points.append(p)
+            return
         try:
             t = time_calls(fns, warmup=3, min_reps=10, max_reps=100, target_s=0.02)
             p.us, p.timing, p.samples_us = t.us, t.method, t.samples_us
@@ -292,6 +311,7 @@ def main(argv=None) -> int:
                 measure(sh, "kbit", bits, m, fns, active, eb)
             del w
             torch.cuda.empty_cache()
+            write_results()
         if ref_w is not None:
             (w13, w2), wk = ref_w
             if vllm_make is not None:  # vLLM bf16 vs kbit on the same (dequantized) weights
@@ -317,8 +337,11 @@ def main(argv=None) -> int:
                         measure(sh, "torch", None, m, fns, active, eb)
             del ref_w, w13, w2
             torch.cuda.empty_cache()
+            write_results()
         if marlin is not None and not a.check_only:
             weights, make = marlin
+            print(f"[{time.monotonic() - t0:6.1f}s] {sh}: Marlin MoE weights and first calls",
+                  flush=True)  # fmt: skip
             try:
                 mw = weights(e, h, i, dev, dtype)
                 eb = expert_bytes("marlin", None, h, i)
@@ -331,23 +354,17 @@ def main(argv=None) -> int:
                 traceback.print_exc()
                 notes.append(f"{sh}: Marlin setup failed: {type(ex).__name__}: {ex}")
             torch.cuda.empty_cache()
+            write_results()
 
-    meta["elapsed_s"] = round(time.monotonic() - t0, 1)
-    a.out.mkdir(parents=True, exist_ok=True)
-    name = f"bench_moe{('_' + a.tag) if a.tag else ''}"
-    (a.out / f"{name}.json").write_text(json.dumps(
-        {"meta": meta, "notes": notes, "checks": checks, "points": [asdict(p) for p in points]},
-        indent=1))  # fmt: skip
-    md = markdown(points, meta, notes, checks, shapes)
-    (a.out / f"{name}.md").write_text(md)
-    print(md)
+    meta["complete"] = True
+    print(write_results())
     return 0 if all(c["ok"] for c in checks) else 1
 
 
 def markdown(points, meta, notes, checks, shapes) -> str:
     lines = [f"# kbit MoE benchmark: {meta.get('device')}", ""]
     for k in ("device", "capability", "sm_count", "torch", "cuda_runtime", "vllm", "kbit_backend",
-              "date_utc", "command", "git_commit", "git_dirty", "env", "elapsed_s"):  # fmt: skip
+              "date_utc", "command", "git_commit", "git_dirty", "env", "elapsed_s", "complete"):  # fmt: skip
         lines.append(f"- {k}: `{meta.get(k)}`")
     legend = ("µs per MoE layer call (routed experts only: routing, gate_up + activation, down, "
               "top-k sum), median of CUDA-graph replays over a rotation of calls with different "
