@@ -25,6 +25,7 @@
 #include <c10/cuda/CUDAException.h>
 
 #include "kbit_format.cuh"
+#include "wgmma.cuh"
 
 namespace kbit {
 namespace frag {
@@ -198,9 +199,11 @@ __device__ __forceinline__ void build_pair_table(uint8_t* tbl, const uint16_t* c
 //   planes_s: this warp's first tile's bit planes in shared memory (tile i at + i * BITS * 256);
 //   absmax_s: its first tile's absmax (tile i at + i * 64);
 //   x_lane: shared address of this lane's ldmatrix row of the x tile (k-tile column 0; token
-//           rows kXRow bytes apart);
+//           rows kXRow bytes apart); WG: the x tile's shared address (wgmma.cuh layout);
 //   tbl_lane / stride: this lane's table copy base and the entry stride (pair_addr).
-template <int BITS, int TM, int NT, bool BF16>
+// WG (sm_90a, wgmma.cuh): the 4 A registers of tile i feed one wgmma.m64nTMk16 of the warpgroup
+// instead of TM/8 mma.sync; all 4 warps of a warpgroup must call it together.
+template <int BITS, int TM, int NT, bool BF16, bool WG = false>
 __device__ __forceinline__ void tile_step(float (&acc)[NT][TM / 8][4], const uint8_t* planes_s,
                                           const uint8_t* absmax_s, int lane, uint32_t tbl_lane,
                                           uint32_t stride, uint32_t x_lane) {
@@ -246,7 +249,14 @@ __device__ __forceinline__ void tile_step(float (&acc)[NT][TM / 8][4], const uin
                         a[i][r] = mul_scale<BF16>(v, sc[i][h][b2], w);
                     }
                 }
-                if constexpr (TM == 8) {
+                if constexpr (WG) {
+                    wg_fence();
+#pragma unroll
+                    for (int i = 0; i < NT; ++i)
+                        wgmma_rs<BF16, TM>(*reinterpret_cast<float(*)[TM / 2]>(&acc[i][0][0]), a[i],
+                                           wg_desc(x_lane + kk * 2 * kWgLbo));
+                    wg_commit_and_wait();
+                } else if constexpr (TM == 8) {
                     uint32_t b[2];
                     ldsm_x2(b, x_lane + kk * 32);
 #pragma unroll

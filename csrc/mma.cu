@@ -89,7 +89,8 @@ __device__ __forceinline__ void store_ws(float* ws, int row, int col, int n, flo
 // ------------------------------------------------------------------------------ kernels
 
 // Grid (n-tile groups, splits, token tiles). 2 CTAs/SM where shared memory allows (TM <= 32).
-template <int BITS, int TM, bool BF16>
+// WG: wgmma (sm_90a, wgmma.cuh) instead of mma.sync; the x tile is stored in its layout.
+template <int BITS, int TM, bool BF16, bool WG>
 __global__ void __launch_bounds__(kThreads, TM <= 32 ? 2 : 1) mma_kernel(const Params p) {
     using L = Layout<BITS, TM>;
     extern __shared__ __align__(16) uint8_t smem[];
@@ -103,15 +104,19 @@ __global__ void __launch_bounds__(kThreads, TM <= 32 ? 2 : 1) mma_kernel(const P
     // they stay in registers instead of 64-bit address math per k-tile):
     //  planes: 16-byte chunk (tid & 15) + 16 j of tile tid / 16 (16 threads = one 256-byte plane),
     //  absmax: threads < 64, chunk tid & 3 of tile tid / 4,
-    //  x: token rows tid / 16 + 16 j, columns 8 (tid & 15) .. + 7 of the k-tile.
+    //  x: token rows tid / 16 + 16 j, columns 8 (tid & 15) .. + 7 of the k-tile; WG: token rows
+    //     (tid & 7) + 8 (tid >> 7) + 16 j, columns 8 ((tid >> 3) & 15) .. + 7, so that a warp
+    //     fills 512 contiguous bytes of the wgmma layout (conflict-free shared-memory writes).
     // Tiles past n read the (valid) last tile and are zero-filled; so are tokens >= M, cols >= K.
-    const int w_tile = tid >> 4, a_tile = (tid >> 2) & (kGroupTiles - 1), x_row = tid >> 4;
+    const int w_tile = tid >> 4, a_tile = (tid >> 2) & (kGroupTiles - 1);
+    const int x_row = WG ? (tid & 7) | ((tid >> 7) << 3) : tid >> 4;
+    const int x_chunk = WG ? (tid >> 3) & 15 : tid & 15;
     const bool w_ok = nt0 + w_tile < p.n_tiles, a_ok = nt0 + a_tile < p.n_tiles;
     const int64_t w_tk = static_cast<int64_t>(min(nt0 + w_tile, p.n_tiles - 1)) * p.k_tiles + kbeg;
     const int64_t a_tk = static_cast<int64_t>(min(nt0 + a_tile, p.n_tiles - 1)) * p.k_tiles + kbeg;
     const uint8_t* w_next = p.qw + w_tk * (BITS * 256) + (tid & 15) * 16;
     const uint8_t* a_next = p.am + a_tk * 64 + (tid & 3) * 16;
-    const int x_col = (tid & 15) * 8;
+    const int x_col = x_chunk * 8;
     int x_k = kbeg * kTileK + x_col;  // x column of this thread's next chunk
     const uint8_t* x_next =
         p.x + static_cast<int64_t>(min(m0 + x_row, p.M - 1)) * p.ldx_bytes + x_k * 2;
@@ -128,7 +133,9 @@ __global__ void __launch_bounds__(kThreads, TM <= 32 ? 2 : 1) mma_kernel(const P
         for (int j = 0; j < (TM * 16 + kThreads - 1) / kThreads; ++j) {
             if (TM * 16 >= kThreads || tid < TM * 16) {
                 const bool ok = x_k < p.K && m0 + x_row + 16 * j < p.M;
-                cp_async16(st + L::kW + L::kA + (x_row + 16 * j) * kXRow + x_col * 2,
+                const int tok = x_row + 16 * j;
+                cp_async16(st + L::kW + L::kA +
+                               (WG ? wg_x_offset(tok, x_chunk) : tok * kXRow + x_col * 2),
                            ok ? x_next + j * 16 * p.ldx_bytes : p.x, ok);
             }
         }
@@ -170,11 +177,16 @@ __global__ void __launch_bounds__(kThreads, TM <= 32 ? 2 : 1) mma_kernel(const P
         if (p.stages >= 4) cp_async_wait<2>();
         else if (p.stages == 3) cp_async_wait<1>();
         else cp_async_wait<0>();
+        if constexpr (WG) fence_proxy_async();
         __syncthreads();
         if (it + p.stages - 1 < nk) load_next();  // into slot (it - 1) % stages
         cp_async_commit();  // possibly empty: keeps the group count uniform
         const int stage = p.ring_off + slot * L::kStage;
-        if (warp_busy)
+        if constexpr (WG)  // every warp: wgmma is warpgroup-wide (tiles past n are zeros)
+            tile_step<BITS, TM, kNT, BF16, true>(acc, smem + stage + warp * kNT * BITS * 256,
+                                                 smem + stage + L::kW + warp * kNT * 64, lane,
+                                                 tbl_lane, stride, s_base + stage + L::kW + L::kA);
+        else if (warp_busy)
             tile_step<BITS, TM, kNT, BF16>(acc, smem + stage + warp * kNT * BITS * 256,
                                            smem + stage + L::kW + warp * kNT * 64, lane, tbl_lane,
                                            stride, x_lane0 + stage);
@@ -236,24 +248,24 @@ __global__ void __launch_bounds__(256) splitk_reduce_kernel(const float* __restr
 // --------------------------------------------------------------------------------- host
 
 // Per device and kernel (cached): table copies, stages, shared memory, cluster support.
-template <int BITS, int TM, bool BF16>
+template <int BITS, int TM, bool BF16, bool WG>
 RingConfig pick_config(int dev) {
     static std::mutex mu;
     static std::unordered_map<int, RingConfig> cache;
     const std::lock_guard<std::mutex> lock(mu);
     if (auto it = cache.find(dev); it != cache.end()) return it->second;
     using L = Layout<BITS, TM>;
-    const RingConfig c = configure_ring(mma_kernel<BITS, TM, BF16>, dev, BITS, kThreads,
+    const RingConfig c = configure_ring(mma_kernel<BITS, TM, BF16, WG>, dev, BITS, kThreads,
                                         L::kStage, L::kOut, 128, TM <= 32 ? 2 : 1, kMaxStages,
                                         kMaxSplits, "mma");
     cache.emplace(dev, c);
     return c;
 }
 
-template <int BITS, int TM, bool BF16>
+template <int BITS, int TM, bool BF16, bool WG>
 void run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& absmax,
          const at::Tensor& codebook, at::Tensor& y, const TiledShape& s) {
-    const RingConfig c = pick_config<BITS, TM, BF16>(x.get_device());
+    const RingConfig c = pick_config<BITS, TM, BF16, WG>(x.get_device());
     const int M = static_cast<int>(x.size(0));
     const int n_groups = static_cast<int>(ceil_div(s.n_tiles, kGroupTiles));
     const int m_tiles = static_cast<int>(ceil_div(M, TM)), k_tiles = static_cast<int>(s.k_tiles);
@@ -283,7 +295,7 @@ void run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& absma
     p.copies_log2 = c.copies_log2, p.ring_off = c.table_bytes + 64;
 
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-    launch_kernel(mma_kernel<BITS, TM, BF16>, dim3(n_groups, splits, m_tiles), kThreads, c.smem,
+    launch_kernel(mma_kernel<BITS, TM, BF16, WG>, dim3(n_groups, splits, m_tiles), kThreads, c.smem,
                   stream, mode == kCluster ? splits : 1, false, p);
     if (mode == kWorkspace) {
         const int64_t count = int64_t{M} * s.n;
@@ -295,19 +307,43 @@ void run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& absma
 }
 
 template <int BITS>
-void run_bits(int tm, bool bf16, const at::Tensor& x, const at::Tensor& q, const at::Tensor& a,
-              const at::Tensor& cb, at::Tensor& y, const TiledShape& s) {
-    auto go = [&](auto tm_tag) {
+void run_bits(int tm, bool wg, bool bf16, const at::Tensor& x, const at::Tensor& q,
+              const at::Tensor& a, const at::Tensor& cb, at::Tensor& y, const TiledShape& s) {
+    auto go = [&](auto tm_tag, auto wg_tag) {
         constexpr int TM = decltype(tm_tag)::value;
-        if (bf16) run<BITS, TM, true>(x, q, a, cb, y, s);
-        else run<BITS, TM, false>(x, q, a, cb, y, s);
+        constexpr bool WG = decltype(wg_tag)::value;
+        if (bf16) run<BITS, TM, true, WG>(x, q, a, cb, y, s);
+        else run<BITS, TM, false, WG>(x, q, a, cb, y, s);
     };
-    switch (tm) {
-        case 8: go(std::integral_constant<int, 8>{}); break;
-        case 16: go(std::integral_constant<int, 16>{}); break;
-        case 32: go(std::integral_constant<int, 32>{}); break;
-        default: go(std::integral_constant<int, 64>{}); break;
+    using no = std::false_type;
+    if (wg) {
+#if defined(KBIT_SM90A)
+        if (tm <= 64) go(std::integral_constant<int, 64>{}, std::true_type{});
+        else go(std::integral_constant<int, 128>{}, std::true_type{});
+        return;
+#endif
     }
+    switch (tm) {
+        case 8: go(std::integral_constant<int, 8>{}, no{}); break;
+        case 16: go(std::integral_constant<int, 16>{}, no{}); break;
+        case 32: go(std::integral_constant<int, 32>{}, no{}); break;
+        default: go(std::integral_constant<int, 64>{}, no{}); break;
+    }
+}
+
+// The wgmma path (KBIT_MMA_WGMMA=1, M > 32): only where this build has sm_90a code (setup.py
+// defines KBIT_SM90A for a 9.0a arch) and the GPU is sm_90, whose SASS it then runs.
+bool use_wgmma(const at::Tensor& x, int64_t M) {
+#if defined(KBIT_SM90A)
+    if (M <= 32 || env_int("KBIT_MMA_WGMMA", 0) == 0) return false;
+    int major = 0, minor = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, x.get_device()));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, x.get_device()));
+    return major == 9 && minor == 0;
+#else
+    (void)x, (void)M;
+    return false;
+#endif
 }
 
 }  // namespace
@@ -332,13 +368,14 @@ at::Tensor mma(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tens
     const bool aligned = reinterpret_cast<uintptr_t>(x_in.data_ptr()) % 16 == 0 &&
                          (M == 1 || x_in.stride(0) % 8 == 0);
     const at::Tensor x = aligned ? x_in : x_in.clone(at::MemoryFormat::Contiguous);
-    const int tm = M <= 8 ? 8 : M <= 16 ? 16 : M <= 32 ? 32 : 64;
+    const bool wg = use_wgmma(x, M);
+    const int tm = wg ? (M <= 64 ? 64 : 128) : M <= 8 ? 8 : M <= 16 ? 16 : M <= 32 ? 32 : 64;
     const bool bf16 = x.scalar_type() == at::kBFloat16;
     switch (bits) {
-        case 2: run_bits<2>(tm, bf16, x, qweight, absmax, codebook, y, s); break;
-        case 3: run_bits<3>(tm, bf16, x, qweight, absmax, codebook, y, s); break;
-        case 4: run_bits<4>(tm, bf16, x, qweight, absmax, codebook, y, s); break;
-        default: run_bits<5>(tm, bf16, x, qweight, absmax, codebook, y, s); break;
+        case 2: run_bits<2>(tm, wg, bf16, x, qweight, absmax, codebook, y, s); break;
+        case 3: run_bits<3>(tm, wg, bf16, x, qweight, absmax, codebook, y, s); break;
+        case 4: run_bits<4>(tm, wg, bf16, x, qweight, absmax, codebook, y, s); break;
+        default: run_bits<5>(tm, wg, bf16, x, qweight, absmax, codebook, y, s); break;
     }
     return y;
 }

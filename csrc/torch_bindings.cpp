@@ -30,6 +30,19 @@ static const bool kbit_moe_kernel_registered = [] {
     return true;
 }();
 
-// An empty Python module: importing vllm_kbit._C only loads the library above.
+// A Python module whose import loads the library above; `sm90a` = 1 when the build has sm_90a
+// code (the kbit::mma wgmma path can run on sm_90 GPUs; setup.py, TORCH_CUDA_ARCH_LIST 9.0a).
 static struct PyModuleDef kbit_module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
-PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&kbit_module); }
+PyMODINIT_FUNC PyInit__C(void) {
+    PyObject* m = PyModule_Create(&kbit_module);
+#if defined(KBIT_SM90A)
+    const long sm90a = 1;
+#else
+    const long sm90a = 0;
+#endif
+    if (m != nullptr && PyModule_AddIntConstant(m, "sm90a", sm90a) != 0) {
+        Py_DECREF(m);
+        return nullptr;
+    }
+    return m;
+}

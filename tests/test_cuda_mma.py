@@ -233,3 +233,92 @@ def test_empty_m() -> None:
     qt, at, cb, _ = _quantized(n, k, bits)
     y = _mma(torch.empty(0, k, dtype=torch.bfloat16, device="cuda"), qt, at, cb, bits, n)
     assert y.shape == (0, n) and y.dtype == torch.bfloat16
+
+
+# --------------------------------------------------------------- wgmma path (sm_90a builds)
+
+
+def _wgmma_available() -> bool:
+    import vllm_kbit._C as C  # the _kernels fixture has loaded it
+
+    return getattr(C, "sm90a", 0) == 1 and torch.cuda.get_device_capability() == (9, 0)
+
+
+wgmma = pytest.mark.skipif(
+    not torch.cuda.is_available() or _ops.load() != "compiled" or not _wgmma_available(),
+    reason="needs a build with sm_90a code (TORCH_CUDA_ARCH_LIST with 9.0a) on an sm_90 GPU",
+)
+WG_MS = [33, 64, 65, 100, 128, 129, 256, 1024]
+
+
+@wgmma
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", [2, 3, 4, 5])
+@pytest.mark.parametrize("n,k", AWKWARD)
+def test_wgmma_awkward_shapes(monkeypatch, n: int, k: int, bits: int, dtype: torch.dtype) -> None:
+    monkeypatch.setenv("KBIT_MMA_WGMMA", "1")  # M > 32: wgmma with 64 / 128 tokens per tile
+    qt, at, cb, w32 = _quantized(n, k, bits)
+    for m in WG_MS:
+        x = _x(m, k, dtype, seed=m)
+        _check(_mma(x, qt, at, cb, bits, n), x, w32)
+
+
+@wgmma
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_wgmma_one_hot_layout(monkeypatch, dtype: torch.dtype) -> None:
+    # x = one-hot rows: y[t, :] must equal column c(t) of the dequantized W exactly (one product
+    # per output, no rounding). A descriptor, fragment or token mapping error shows up as the
+    # exact (token, column) that is wrong.
+    monkeypatch.setenv("KBIT_MMA_WGMMA", "1")
+    n, k, bits = 256, 256, 4
+    qt, at, cb, w32 = _quantized(n, k, bits)
+    m = 128
+    cols = (torch.arange(m, device="cuda") * 37 + 5) % k
+    x = torch.zeros(m, k, dtype=dtype, device="cuda")
+    x[torch.arange(m, device="cuda"), cols] = 1.0
+    y = _mma(x, qt, at, cb, bits, n).float()
+    want = w32.to(dtype).float().t()[cols]
+    bad = (y != want).nonzero()
+    assert bad.numel() == 0, f"{bad.shape[0]} wrong outputs, first (token, row): {bad[:4].tolist()}"
+
+
+@wgmma
+@pytest.mark.parametrize("m", [64, 256])
+def test_wgmma_real_shapes_and_splits(monkeypatch, m: int) -> None:
+    monkeypatch.setenv("KBIT_MMA_WGMMA", "1")
+    for n, k, bits in [(28672, 4096, 4), (4096, 14336, 2)]:
+        qt, at, cb, w32 = _quantized(n, k, bits, device="cuda")
+        x = _x(m, k, torch.bfloat16, seed=m)
+        y = _mma(x, qt, at, cb, bits, n)
+        _check(y, x, w32)
+        for splits in ["2", "3"]:
+            monkeypatch.setenv("KBIT_MMA_SPLITS", splits)
+            _check(_mma(x, qt, at, cb, bits, n), x, w32)
+        monkeypatch.delenv("KBIT_MMA_SPLITS")
+        monkeypatch.delenv("KBIT_MMA_WGMMA")
+        _check(_mma(x, qt, at, cb, bits, n), x, w32)  # the mma.sync path on the same data
+        monkeypatch.setenv("KBIT_MMA_WGMMA", "1")
+        _quantized.cache_clear()
+
+
+@wgmma
+def test_wgmma_cuda_graph_replay_equals_eager(monkeypatch) -> None:
+    monkeypatch.setenv("KBIT_MMA_WGMMA", "1")
+    n, k, bits, m = 1024, 2048, 4, 100
+    qt, at, cb, _ = _quantized(n, k, bits)
+    static_x = _x(m, k, torch.float16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            _mma(static_x, qt, at, cb, bits, n)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = _mma(static_x, qt, at, cb, bits, n)
+    for seed in [5, 6]:
+        x = _x(m, k, torch.float16, seed=seed)
+        static_x.copy_(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_y, _mma(x, qt, at, cb, bits, n))

@@ -9,7 +9,7 @@ export PYTHONUNBUFFERED=1 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 export KBIT_SKIP_CXX_ERROR_TESTS=1
 T0=$SECONDS
 if ! python3 -c "import vllm_kbit._C" 2>/dev/null; then
-  TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 NVCC_THREADS=4 python3 -m pip install --no-build-isolation \
+  TORCH_CUDA_ARCH_LIST=9.0a MAX_JOBS=16 NVCC_THREADS=4 python3 -m pip install --no-build-isolation \
     --no-deps --no-index -e . > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
 fi
 echo "build done $((SECONDS - T0))s"
