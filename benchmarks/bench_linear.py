@@ -15,6 +15,7 @@ import argparse
 import gc
 import json
 import math
+import os
 import sys
 import time
 import traceback
@@ -48,7 +49,9 @@ QUICK = {"models": "8b", "bits": "2,4", "m": "1,4,16,64,256,4096"}
 SQNR_DB = {2: 9.46, 3: 15.47, 4: 21.77, 5: 27.90}
 SQNR_TOL_DB = 0.5
 REL_ERR_LIMIT = 1e-2
-CHECK_MS = {"gemv": (1, 3, 8), "mma": (1, 16, 100), "dequant": (64,), "linear": (1, 5, 64, 300)}
+CHECK_MS = {"gemv": (1, 3, 8), "mma": (1, 16, 100), "mma_wg": (64, 100, 300), "dequant": (64,),
+            "linear": (1, 5, 64, 300)}  # fmt: skip
+WG_MIN_M = 33  # kbit::mma takes its wgmma variant (KBIT_MMA_WGMMA=1) only above M = 32
 H100 = {"l2": 50e6, "bw": 3.0e12, "flops": 600e12}  # for --dry-run estimates only
 
 
@@ -86,6 +89,7 @@ class Config:
     l2_bytes: int | None = None  # override of the queried L2 size
     use_graph: bool = True
     reverse_paths: bool = False  # time linear first (tests for an order effect on clocks)
+    wgmma: bool = False  # also time kbit::mma's wgmma variant as the path "mma_wg"
     time_budget_s: float = 420.0
     vllm_ops_lib: str | None = None
     allow_reference: bool = False
@@ -149,6 +153,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     add("--no-graph", dest="use_graph", action="store_false", help="time eager calls")
     add("--reverse-paths", action="store_true",
         help="time the kbit paths in reverse order (linear, dequant, mma, gemv)")
+    add("--wgmma", action="store_true",
+        help="also time kbit::mma with KBIT_MMA_WGMMA=1 (sm_90a builds) as path mma_wg, M > 32")
     add("--time-budget-s", type=float, default=420.0, help="start no new shape/k after this")
     add("--vllm-ops-lib", help="vLLM's _C_stable_libtorch.abi3.so (or .xz), if vllm won't import")
     add("--allow-reference", action="store_true", help="run without vllm_kbit._C (slow)")
@@ -186,6 +192,16 @@ def dense_methods(cfg: Config) -> list[str]:
     return ["fp16", "bf16"] if cfg.dtype == "bf16" else ["fp16"]
 
 
+def kbit_paths(cfg: Config, m: int | None = None) -> list[str]:
+    """The kbit paths timed (at M = m: gemv up to --gemv-max-m, mma_wg above M = 32)."""
+    paths = list(KBIT_PATHS)
+    if cfg.wgmma:
+        paths.insert(paths.index("mma") + 1, "mma_wg")
+    if m is None:
+        return paths
+    return [p for p in paths if (p != "gemv" or m <= cfg.gemv_max_m) and (p != "mma_wg" or m >= WG_MIN_M)]
+
+
 def plan(cfg: Config) -> list[tuple[Shape, str, int | None, int]]:
     """Every timing point: (shape, method, bits or None, M), in run order."""
     out: list[tuple[Shape, str, int | None, int]] = []
@@ -195,7 +211,7 @@ def plan(cfg: Config) -> list[tuple[Shape, str, int | None, int]]:
             out += [(sh, meth, None, m) for m in ms]
         for bits in cfg.bits:
             for m in ms:
-                out += [(sh, p, bits, m) for p in KBIT_PATHS if p != "gemv" or m <= cfg.gemv_max_m]
+                out += [(sh, p, bits, m) for p in kbit_paths(cfg, m)]
     return out
 
 
@@ -450,6 +466,16 @@ def kbit_fn(path: str, x: torch.Tensor, qt: torch.Tensor, at: torch.Tensor, cb: 
     if path == "dequant":
         k, dq = x.shape[1], torch.ops.kbit.dequantize_tiled
         return lambda: torch.matmul(x, dq(qt, at, cb, bits, n, k, x.dtype).t())
+    if path == "mma_wg":  # the op reads KBIT_MMA_WGMMA per call (also while a graph is captured)
+
+        def wg() -> torch.Tensor:
+            os.environ["KBIT_MMA_WGMMA"] = "1"
+            try:
+                return torch.ops.kbit.mma(x, qt, at, cb, bits, n)
+            finally:
+                os.environ.pop("KBIT_MMA_WGMMA", None)
+
+        return wg
     op = getattr(torch.ops.kbit, path)
     return lambda: op(x, qt, at, cb, bits, n)
 
@@ -492,7 +518,9 @@ def check_kbit(run: Run, sh: Shape, bits: int, w: torch.Tensor, qt: torch.Tensor
         expect,
     )
     for path, ms in CHECK_MS.items():
-        for m in [m for m in ms if path != "gemv" or m <= run.cfg.gemv_max_m]:
+        if path not in kbit_paths(run.cfg):
+            continue
+        for m in [m for m in ms if path in kbit_paths(run.cfg, m)]:
             x = torch.randn(m, sh.k, device=run.dev, dtype=run.act)
             y, why = attempt(run, kbit_fn(path, x, qt, at, cb, bits, sh.n))
             if y is None:
@@ -523,7 +551,7 @@ def run_kbit(run: Run, sh: Shape, bits: int, w: torch.Tensor) -> None:
         run.check(sh, bits, "quantize+repack", 0, "sqnr_db", None, False, why)
         ms = [] if run.cfg.check_only else run.cfg.ms_for(sh)
         run.points += [new_point(sh, p, bits, m, status=f"n/a: quantize/repack failed: {why}")
-                       for m in ms for p in KBIT_PATHS if p != "gemv" or m <= run.cfg.gemv_max_m]  # fmt: skip
+                       for m in ms for p in kbit_paths(run.cfg, m)]  # fmt: skip
         run.log(f"{sh.label:<12} k={bits} quantize/repack failed: {why}")
         return
     qt, at = qa
@@ -535,7 +563,7 @@ def run_kbit(run: Run, sh: Shape, bits: int, w: torch.Tensor) -> None:
     for m in run.cfg.ms_for(sh):
         x = torch.randn(m, sh.k, device=run.dev, dtype=run.act)
         cells = []
-        paths = [p for p in KBIT_PATHS if p != "gemv" or m <= run.cfg.gemv_max_m]
+        paths = kbit_paths(run.cfg, m)
         for path in reversed(paths) if run.cfg.reverse_paths else paths:
             fns = [kbit_fn(path, x, q, a, cb, bits, sh.n) for q, a in copies]
             cells.append(f"{path} {_cell(measure(run, sh, path, bits, m, fns))}")
@@ -581,9 +609,9 @@ def _ratio(a: float | None, b: float | None) -> str:
 
 
 def best_kbit(idx: dict[tuple, Point], model: str, shape: str, bits: int, m: int) -> Point | None:
-    """The fastest individual kbit kernel path (gemv, mma, dequant); linear is the
+    """The fastest individual kbit kernel path (gemv, mma, mma_wg, dequant); linear is the
     dispatching op and is compared with it, not counted as a path of its own."""
-    cands = [idx.get((model, shape, bits, p, m)) for p in ("gemv", "mma", "dequant")]
+    cands = [idx.get((model, shape, bits, p, m)) for p in ("gemv", "mma", "mma_wg", "dequant")]
     cands = [p for p in cands if p is not None and p.ok]
     return min(cands, key=lambda p: p.us) if cands else None
 
@@ -599,7 +627,7 @@ def per_m_tables(points: list[Point], cfg: Config) -> list[str]:
         headers = [
             "shape",
             "k",
-            *KBIT_PATHS,
+            *kbit_paths(cfg),
             *dense,
             "Marlin",
             "Machete",
@@ -613,14 +641,14 @@ def per_m_tables(points: list[Point], cfg: Config) -> list[str]:
         rows = []
         for sh in cfg.shapes:
             for bits in cfg.bits:
-                if not any((sh.model, sh.name, bits, p, m) in idx for p in KBIT_PATHS):
+                if not any((sh.model, sh.name, bits, p, m) in idx for p in kbit_paths(cfg)):
                     continue
                 b = best_kbit(idx, sh.model, sh.name, bits, m)
                 dn = idx.get((sh.model, sh.name, None, cfg.dense, m))
                 mar = idx.get((sh.model, sh.name, None, "marlin", m))
                 rows.append(
                     [sh.label, str(bits)]
-                    + [_cell(idx.get((sh.model, sh.name, bits, p, m))) for p in KBIT_PATHS]
+                    + [_cell(idx.get((sh.model, sh.name, bits, p, m))) for p in kbit_paths(cfg)]
                     + [_cell(idx.get((sh.model, sh.name, None, d, m))) for d in dense]
                     + [_cell(mar), _cell(idx.get((sh.model, sh.name, None, "machete", m)))]
                     + [

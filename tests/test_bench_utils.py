@@ -8,6 +8,7 @@ marked ``gpu`` exercise the CUDA-graph timing and the Marlin/Machete calls."""
 from __future__ import annotations
 
 import json
+import os
 import lzma
 import math
 import statistics
@@ -412,12 +413,29 @@ def test_main_cpu_end_to_end(tmp_path: Path) -> None:
     assert "### M = 16" in (tmp_path / "bench_linear_cpu.md").read_text()
 
 
+def test_main_cpu_wgmma_path(tmp_path: Path) -> None:
+    # --wgmma adds the path mma_wg (kbit::mma with KBIT_MMA_WGMMA=1) above M = 32, checked and
+    # timed like the others; on the CPU it is the reference, so it must agree with mma
+    argv = ["--device", "cpu", "--shapes", "t.a:16x256", "--bits", "4", "--m", "16,64",
+            "--baselines", "none", "--min-reps", "1", "--max-reps", "1", "--warmup", "0",
+            "--wgmma", "--out-dir", str(tmp_path)]  # fmt: skip
+    assert bl.main(argv) == 0
+    doc = json.loads((tmp_path / "bench_linear_cpu.json").read_text())
+    by = {(p["method"], p["m"]): p for p in doc["points"]}
+    assert by[("mma_wg", 64)]["status"] == "ok" and ("mma_wg", 16) not in by
+    wg = [c for c in doc["checks"] if c["method"] == "mma_wg"]
+    assert [c["m"] for c in wg] == list(bl.CHECK_MS["mma_wg"]) and all(c["ok"] for c in wg)
+    assert "mma_wg" in (tmp_path / "bench_linear_cpu.md").read_text()
+    assert "KBIT_MMA_WGMMA" not in os.environ
+
+
 def test_main_cpu_check_only_and_dry_run(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     argv = ["--device", "cpu", "--shapes", "t.a:32x256", "--bits", "3", "--check-only",
             "--out-dir", str(tmp_path)]  # fmt: skip
     assert bl.main(argv) == 0
     doc = json.loads((tmp_path / "bench_linear_cpu_check.json").read_text())
-    assert doc["points"] == [] and len(doc["checks"]) == 1 + sum(map(len, bl.CHECK_MS.values()))
+    n_checks = sum(len(ms) for p, ms in bl.CHECK_MS.items() if p != "mma_wg")  # no --wgmma
+    assert doc["points"] == [] and len(doc["checks"]) == 1 + n_checks
     capsys.readouterr()
     assert bl.main(["--dry-run"]) == 0
     assert "1568 timing points" in capsys.readouterr().out
