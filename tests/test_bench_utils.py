@@ -8,9 +8,9 @@ marked ``gpu`` exercise the CUDA-graph timing and the Marlin/Machete calls."""
 from __future__ import annotations
 
 import json
-import os
 import lzma
 import math
+import os
 import statistics
 import sys
 from pathlib import Path
