@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine: build, every GPU test (plus the converter's GPU path), then optionally
-# compute-sanitizer (SANITIZE=1) and the full kernel benchmark (BENCH=1). Logs under $OUT.
+# compute-sanitizer (SANITIZE=1) and the full kernel benchmark (BENCH=1; extra flags in
+# BENCH_ARGS, e.g. "--wgmma --m 32,64,128,256,512"). Logs under $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/kbit-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
@@ -27,6 +28,6 @@ if [ "${SANITIZE:-0}" = 1 ]; then
 fi
 if [ "${BENCH:-0}" = 1 ]; then
   python3 benchmarks/bench_linear.py --out-dir "$OUT" --vllm-ops-lib .vllmlib/vllm_C.so.xz \
-    --time-budget-s ${BUDGET:-300} > "$OUT/bench.log" 2>&1; echo "bench rc=$? $((SECONDS - T0))s"
+    --time-budget-s ${BUDGET:-300} ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1; echo "bench rc=$? $((SECONDS - T0))s"
   tail -22 "$OUT/bench.log"
 fi
