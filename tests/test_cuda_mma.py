@@ -75,6 +75,22 @@ def _mma(x, qt, at, cb, bits, n):
     return OPS.mma(x, qt, at, cb, bits, n)
 
 
+# The wgmma variant of kbit::mma (KBIT_MMA_WGMMA=1, M > 32) exists in sm_90a builds only.
+
+
+def _wgmma_available() -> bool:
+    import vllm_kbit._C as C  # the _kernels fixture has loaded it
+
+    return getattr(C, "sm90a", 0) == 1 and torch.cuda.get_device_capability() == (9, 0)
+
+
+wgmma = pytest.mark.skipif(
+    not torch.cuda.is_available() or _ops.load() != "compiled" or not _wgmma_available(),
+    reason="needs a build with sm_90a code (TORCH_CUDA_ARCH_LIST with 9.0a) on an sm_90 GPU",
+)
+WG_MS = [33, 64, 65, 100, 128, 129, 256, 1024]
+
+
 # Tails everywhere: n = 1, 8, 17 (partial n-tile), 300 (partial CTA group of 16 tiles), 1000;
 # K = 32, 96 (one partial k-tile), 640, 4128 (33 k-tiles, the last holding one block).
 AWKWARD = [(8, 32), (1000, 96), (1, 4128), (17, 4128), (300, 640)]
@@ -176,10 +192,12 @@ def test_split_k_paths(monkeypatch, m: int, dtype: torch.dtype) -> None:
         assert torch.equal(_mma(x, qt, at, cb, bits, n), y)
 
 
+@pytest.mark.parametrize("wg", ["0", pytest.param("1", marks=wgmma)])
 @pytest.mark.parametrize("no_cluster", ["0", "1"])
-@pytest.mark.parametrize("m", [16, 64])
-def test_cuda_graph_replay_equals_eager(monkeypatch, m: int, no_cluster: str) -> None:
+@pytest.mark.parametrize("m", [16, 64, 100])
+def test_cuda_graph_replay_equals_eager(monkeypatch, m: int, no_cluster: str, wg: str) -> None:
     monkeypatch.setenv("KBIT_MMA_NO_CLUSTER", no_cluster)  # split-K: cluster or workspace path
+    monkeypatch.setenv("KBIT_MMA_WGMMA", wg)  # "1": the wgmma variant for M > 32
     n, k, bits = 1024, 2048, 4
     qt, at, cb, _ = _quantized(n, k, bits)
     static_x = _x(m, k, torch.float16)
@@ -238,19 +256,6 @@ def test_empty_m() -> None:
 # --------------------------------------------------------------- wgmma path (sm_90a builds)
 
 
-def _wgmma_available() -> bool:
-    import vllm_kbit._C as C  # the _kernels fixture has loaded it
-
-    return getattr(C, "sm90a", 0) == 1 and torch.cuda.get_device_capability() == (9, 0)
-
-
-wgmma = pytest.mark.skipif(
-    not torch.cuda.is_available() or _ops.load() != "compiled" or not _wgmma_available(),
-    reason="needs a build with sm_90a code (TORCH_CUDA_ARCH_LIST with 9.0a) on an sm_90 GPU",
-)
-WG_MS = [33, 64, 65, 100, 128, 129, 256, 1024]
-
-
 @wgmma
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bits", [2, 3, 4, 5])
@@ -299,26 +304,3 @@ def test_wgmma_real_shapes_and_splits(monkeypatch, m: int) -> None:
         _check(_mma(x, qt, at, cb, bits, n), x, w32)  # the mma.sync path on the same data
         monkeypatch.setenv("KBIT_MMA_WGMMA", "1")
         _quantized.cache_clear()
-
-
-@wgmma
-def test_wgmma_cuda_graph_replay_equals_eager(monkeypatch) -> None:
-    monkeypatch.setenv("KBIT_MMA_WGMMA", "1")
-    n, k, bits, m = 1024, 2048, 4, 100
-    qt, at, cb, _ = _quantized(n, k, bits)
-    static_x = _x(m, k, torch.float16)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            _mma(static_x, qt, at, cb, bits, n)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_y = _mma(static_x, qt, at, cb, bits, n)
-    for seed in [5, 6]:
-        x = _x(m, k, torch.float16, seed=seed)
-        static_x.copy_(x)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(static_y, _mma(x, qt, at, cb, bits, n))
