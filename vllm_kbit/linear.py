@@ -41,13 +41,7 @@ class KbitLinearMethod(LinearMethodBase):
 
     def __init__(self, bits: int, codebook: torch.Tensor, online: bool = False,
                  prefix: str = "") -> None:  # fmt: skip
-        _ops.load()
-        self.bits = check_bits(bits)
-        self.codebook = codebook.detach().to(device="cpu", dtype=torch.float32)
-        self.online = online
-        self.uses_meta_device = online  # vLLM: bf16 weight on meta, layer-wise processing
-        self.prefix = prefix
-        self.dummy = False  # load_format="dummy": synthesise codes instead of reading garbage
+        _init_method(self, bits, codebook, online, prefix)
 
     def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int,
                        output_partition_sizes: list[int], input_size: int, output_size: int,
@@ -118,6 +112,18 @@ class KbitLinearMethod(LinearMethodBase):
             layer._parameters.pop(name, None)
         layer.quant_method = UnquantizedEmbeddingMethod()
         return layer.quant_method.tie_weights(layer, embed_tokens)
+
+
+def _init_method(method: object, bits: int, codebook: torch.Tensor, online: bool,
+                 prefix: str) -> None:  # fmt: skip
+    """The state KbitLinearMethod and KbitMoEMethod share (loads the ops library first)."""
+    _ops.load()
+    method.bits = check_bits(bits)
+    method.codebook = codebook.detach().to(device="cpu", dtype=torch.float32)
+    method.online = online
+    method.uses_meta_device = online  # vLLM: bf16 weights on meta, layer-wise processing
+    method.prefix = prefix
+    method.dummy = False  # load_format="dummy": synthesise codes instead of reading garbage
 
 
 def _quantize(weight: torch.Tensor, codebook: torch.Tensor, bits: int,

@@ -31,11 +31,11 @@ from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase
 from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig, FusedMoEQuantConfig
 from vllm.model_executor.utils import replace_parameter, set_weight_attrs
 
-from . import _ops
-from .format import BLOCKSIZE, check_bits
+from .format import BLOCKSIZE
 from .linear import (
     _DONE,
     _dummy_quantized,
+    _init_method,
     _initialize_online_processing,
     _load_format_is_dummy,
     _quantize,
@@ -71,13 +71,7 @@ class KbitMoEMethod(FusedMoEMethodBase):
     def __init__(self, moe: FusedMoEConfig, bits: int, codebook: torch.Tensor,
                  online: bool = False, prefix: str = "") -> None:  # fmt: skip
         super().__init__(moe)
-        _ops.load()
-        self.bits = check_bits(bits)
-        self.codebook = codebook.detach().to(device="cpu", dtype=torch.float32)
-        self.online = online
-        self.uses_meta_device = online  # vLLM: bf16 experts on meta, layer-wise processing
-        self.prefix = prefix
-        self.dummy = False  # load_format="dummy": synthesise codes instead of reading garbage
+        _init_method(self, bits, codebook, online, prefix)
 
     def create_weights(self, layer: torch.nn.Module, num_experts: int, hidden_size: int,
                        intermediate_size_per_partition: int, params_dtype: torch.dtype,
