@@ -17,6 +17,7 @@ import functools
 
 import pytest
 import torch
+from cuda_graph import capture
 
 from vllm_kbit import _ops
 from vllm_kbit import reference as ref
@@ -153,14 +154,7 @@ def test_cuda_graph_replay_equals_eager(case) -> None:
     n, k, bits, m = case
     qt, at, cb = _weights(n, k, bits)
     x = _x(m, k, torch.bfloat16)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up outside the capture
-        OPS.gemv(x, qt, at, cb, bits, n)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = OPS.gemv(x, qt, at, cb, bits, n)
+    graph, y = capture(lambda: OPS.gemv(x, qt, at, cb, bits, n), warmups=1)
     for seed in (1, 2):
         x.copy_(_x(m, k, torch.bfloat16, seed=seed))
         graph.replay()

@@ -13,6 +13,7 @@ import zlib
 
 import pytest
 import torch
+from cuda_graph import capture
 
 from vllm_kbit import _ops
 from vllm_kbit import reference as ref
@@ -192,15 +193,7 @@ def test_linear_cuda_graph(bits, dtype, m, force):
     """Capture torch.ops.kbit.linear in a CUDA graph; replay on new x equals eager."""
     layer = _layer(4096, 4096, bits)
     x_static = _x(m, layer.k, dtype, "graph-warmup", bits)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm up (allocator, cuBLAS handles) off the capture
-        for _ in range(2):
-            layer.linear(x_static)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y_static = layer.linear(x_static)
+    graph, y_static = capture(lambda: layer.linear(x_static))
     for step in range(2):
         x_new = _x(m, layer.k, dtype, "graph", bits, step)
         x_static.copy_(x_new)

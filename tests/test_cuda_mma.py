@@ -13,6 +13,7 @@ import functools
 
 import pytest
 import torch
+from cuda_graph import capture
 from error_bound import assert_within_2x
 
 from vllm_kbit import _ops
@@ -201,15 +202,7 @@ def test_cuda_graph_replay_equals_eager(monkeypatch, m: int, no_cluster: str, wg
     n, k, bits = 1024, 2048, 4
     qt, at, cb, _ = _quantized(n, k, bits)
     static_x = _x(m, k, torch.float16)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm up (config cache, workspace pool) off the capture
-        for _ in range(2):
-            _mma(static_x, qt, at, cb, bits, n)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_y = _mma(static_x, qt, at, cb, bits, n)
+    graph, static_y = capture(lambda: _mma(static_x, qt, at, cb, bits, n))
     for seed in [5, 6, 7]:
         x = _x(m, k, torch.float16, seed=seed)
         static_x.copy_(x)

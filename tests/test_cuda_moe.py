@@ -22,6 +22,7 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
+from cuda_graph import capture
 from error_bound import assert_within_2x
 
 from vllm_kbit import _ops
@@ -345,15 +346,7 @@ def test_cuda_graph_replay_equals_eager(monkeypatch, t: int, env: dict[str, str]
     ex = _experts(e, h, i, bits)
     tw, ids = _routing(t, e, 4, 0)
     x = _x(t, h, torch.bfloat16)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm up (config caches) off the capture
-        for _ in range(2):
-            _moe(x, ex, tw, ids, None, bits)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y_static = _moe(x, ex, tw, ids, None, bits)
+    graph, y_static = capture(lambda: _moe(x, ex, tw, ids, None, bits))
     for seed in [5, 6, 7]:  # new tokens and new routing in the same buffers
         tw2, ids2 = _routing(t, e, 4, seed, skew=float(seed - 4))
         x.copy_(_x(t, h, torch.bfloat16, seed=seed))
