@@ -247,8 +247,7 @@ __device__ __forceinline__ int expert_tile(const GemmParams& p, bool gate_up, in
 
 // ------------------------------------------------------------------------------ kernels
 
-// Grid (column groups, splits, max tiles). gemm = kGateUp: local tiles 0-7 are gate tiles
-// 8 g .. 8 g + 7, tiles 8-15 the matching up tiles (I/16 + 8 g ..); kDown: tiles 16 g .. 16 g + 15.
+// Grid (column groups, splits, max tiles); expert_tile() gives the n-tile of each local tile.
 template <int BITS, int TM, bool BF16>
 __global__ void __launch_bounds__(kThreads, TM <= 32 ? 2 : 1) moe_gemm_kernel(const GemmParams p) {
     using L = Layout<BITS, TM>;
