@@ -43,6 +43,27 @@ for bits in BITS:
                     assert err < 2e-2, f"{path} bits={bits} n={n} k={k} m={m} {dtype}: rel err {err}"
 os.environ.pop("KBIT_FORCE_KERNEL", None)
 
+# the wgmma variant of kbit::mma (KBIT_MMA_WGMMA=1 takes it for M > 32 on sm_90a builds): both
+# tile widths (M 64 -> TM 64, M 300 -> TM 128), a tail in N and K, every k in BITS
+import vllm_kbit._C as _C
+
+if getattr(_C, "sm90a", 0) == 1 and torch.cuda.get_device_capability() == (9, 0):
+    os.environ["KBIT_MMA_WGMMA"] = "1"
+    for bits in BITS:
+        cb = default_codebook(bits).to(dev)
+        for n, k in ((17, 4128), (1000, 96)):
+            w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
+            qt, at = K_OPS.repack(*K_OPS.quantize(w, cb, bits), bits)
+            w_deq = K_OPS.dequantize_tiled(qt, at, cb, bits, n, k, torch.float16).float()
+            for dtype in DTYPES:
+                for m in (40, 300):
+                    x = torch.randn(m, k, device=dev, dtype=dtype)
+                    want = x.float() @ w_deq.t()
+                    y = K_OPS.mma(x, qt, at, cb, bits, n).float()
+                    err = ((y - want).norm() / want.norm()).item()
+                    assert err < 2e-2, f"wgmma bits={bits} n={n} k={k} m={m} {dtype}: rel err {err}"
+    os.environ.pop("KBIT_MMA_WGMMA")
+
 # kbit::moe: in-CTA routing and the routing kernel, cluster / workspace split-K, per-slot rows
 # and atomics, an expert map with -1, a partial column group (I = 96) and k-tile (H = 160).
 # (skipped under KBIT_MOE_REFERENCE=1, where kbit::moe is the reference on CUDA)
