@@ -223,6 +223,10 @@ __device__ __forceinline__ void tile_step(float (&acc)[NT][TM / 8][4], const uin
             sc[i][h][1] = absmax_pair<BF16>(a, 1);
         }
     }
+    // WG: two sets of A registers. Step kk's wgmma runs asynchronously while step kk + 1's
+    // fragments are dequantized into the other set; a set is rewritten only after the wait that
+    // retires the wgmma reading it (wait_group 1 right after the next step's commit).
+    uint32_t abuf[WG ? 2 : 1][NT][4];
 #pragma unroll
     for (int w = 0; w < 2; ++w) {  // plane word w = blocks 2w, 2w + 1
         uint32_t iw[NT][5];
@@ -238,7 +242,8 @@ __device__ __forceinline__ void tile_step(float (&acc)[NT][TM / 8][4], const uin
 #pragma unroll
             for (int s = 0; s < 2; ++s) {  // k16 step kk: columns 16 kk .. 16 kk + 15 of the tile
                 const int kk = 4 * w + 2 * b2 + s;
-                uint32_t a[NT][4];  // A registers: {row g, row g+8} x {cols 2t.., cols 2t+8..}
+                // A registers: {row g, row g+8} x {cols 2t.., cols 2t+8..}
+                uint32_t(&a)[NT][4] = abuf[WG ? (kk & 1) : 0];
 #pragma unroll
                 for (int i = 0; i < NT; ++i) {
 #pragma unroll
@@ -255,7 +260,8 @@ __device__ __forceinline__ void tile_step(float (&acc)[NT][TM / 8][4], const uin
                     for (int i = 0; i < NT; ++i)
                         wgmma_rs<BF16, TM>(*reinterpret_cast<float(*)[TM / 2]>(&acc[i][0][0]), a[i],
                                            wg_desc(x_lane + kk * 2 * kWgLbo));
-                    wg_commit_and_wait();
+                    wg_commit();
+                    wg_wait<1>();  // step kk - 1 is done: its A set is free for step kk + 1
                 } else if constexpr (TM == 8) {
                     uint32_t b[2];
                     ldsm_x2(b, x_lane + kk * 32);
@@ -276,6 +282,8 @@ __device__ __forceinline__ void tile_step(float (&acc)[NT][TM / 8][4], const uin
             }
         }
     }
+    // The x slot read by the last wgmma is refilled after the caller's next barrier.
+    if constexpr (WG) wg_wait<0>();
 }
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

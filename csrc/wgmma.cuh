@@ -39,9 +39,17 @@ __device__ __forceinline__ void wg_fence() {  // orders register writes before t
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #endif
 }
-__device__ __forceinline__ void wg_commit_and_wait() {  // the A registers are rewritten next step
+__device__ __forceinline__ void wg_commit() {  // closes the group of the wgmmas issued so far
 #if defined(KBIT_WGMMA_DEVICE)
-    asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+// Waits until at most N committed groups are pending: their A registers and accumulators may then
+// be touched again (PTX: reading or writing them earlier is undefined).
+template <int N>
+__device__ __forceinline__ void wg_wait() {
+#if defined(KBIT_WGMMA_DEVICE)
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 #endif
 }
 // cp.async writes x through the generic proxy, wgmma reads it through the async proxy: each
