@@ -6,6 +6,7 @@ plain-torch bf16 baseline (per-expert matmuls on the gathered tokens) always.
 
     python3 benchmarks/bench_moe.py [--shapes qwen3,mixtral,e512] [--bits 2,3,4,5]
         [--m 1,2,4,...] [--baselines torch,vllm,marlin] [--check-only] [--out DIR]
+    python3 benchmarks/bench_moe.py --dry-check   # CPU only: the Marlin call's shapes
 
 Routing: random router logits -> softmax -> top-k -> renormalised (realistic, uneven loads); one
 routing (and x) per call of a rotation. Each rotation of R calls reads >= 3x L2 of weights
@@ -17,10 +18,13 @@ tokens (averaged over the rotation) / time. Writes bench_moe.{json,md} under --o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import os
 import statistics
 import sys
+import threading
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
@@ -43,7 +47,6 @@ SHAPES = {
     "e512": ("512 experts", 512, 8, 2048, 512),
 }
 ALL_MS = (1, 2, 4, 8, 16, 32, 64, 256, 1024, 4096)
-UINT4B8_ID = 1125899907892224  # vllm.scalar_type.scalar_types.uint4b8.id
 
 
 @dataclass
@@ -145,35 +148,160 @@ def vllm_fused_experts():
     return make
 
 
+def marlin_shapes(e: int, h: int, i: int, group: int = 128) -> dict[str, tuple[int, ...]]:
+    """Shapes of vLLM 0.26's Marlin MoE tensors for an int4 g128 GPTQ checkpoint without act-order,
+    after its weight processing (fused_moe/oracle/int_wna16.py, _process_weights_marlin):
+    gptq_marlin_moe_repack gives int32 [E, size_k / 16, size_n * 4 / 2] (_custom_ops.py:1148),
+    marlin_moe_permute_scales keeps [E, size_k / group, size_n] in the activation dtype, and the
+    act-order tensors (g_idx, sort indices) are int32 [E, 0]. w13: (size_k, size_n) = (H, 2I);
+    w2: (I, H)."""
+    # vLLM zero-pads I to a multiple of lcm(64, group) (marlin_moe_padded_intermediate); the
+    # shapes here need no padding, so the weights are exactly the checkpoint's size.
+    assert i % math.lcm(64, group) == 0 and h % group == 0, f"H={h}, I={i} would be padded"
+    return {"w1": (e, h // 16, 2 * i * 2), "w2": (e, i // 16, h * 2),
+            "s1": (e, h // group, 2 * i), "s2": (e, i // group, h), "g_idx": (e, 0)}  # fmt: skip
+
+
 def vllm_marlin():
-    """fused_marlin_moe on random int4 g128 weights in Marlin's layout (values do not change the
-    timing), with a preallocated workspace, as vLLM's Marlin MoE method calls it."""
+    """fused_marlin_moe called as vLLM 0.26's MarlinExperts.apply calls it
+    (fused_moe/experts/marlin_moe.py:775), on random weights in Marlin's layout (values do not
+    change the timing). Returns (weights, make)."""
+    import vllm._custom_ops as ops
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
     from vllm.model_executor.layers.fused_moe.experts.marlin_moe import fused_marlin_moe
-    from vllm.model_executor.layers.quantization.utils.marlin_utils import (
-        marlin_make_workspace_new,
-    )
+    from vllm.scalar_type import scalar_types
 
-    def weights(e, h, i, dev, dtype):
-        g = torch.Generator(device=dev).manual_seed(1)
-        ri = lambda *s: torch.randint(-(2**31), 2**31 - 1, s, generator=g, device=dev,
-                                      dtype=torch.int64).to(torch.int32)  # fmt: skip
-        w1 = ri(e, h // 16, 2 * i * 2)
-        w2 = ri(e, i // 16, h * 2)
-        s1 = (torch.rand(e, h // 128, 2 * i, generator=g, device=dev) * 0.01).to(dtype)
-        s2 = (torch.rand(e, i // 128, h, generator=g, device=dev) * 0.01).to(dtype)
-        return w1, w2, s1, s2, marlin_make_workspace_new(torch.device(dev), 4)
+    def weights(e, h, i, dev, dtype) -> dict[str, torch.Tensor]:
+        t = {k: torch.empty(s, dtype=dtype if k[0] == "s" else torch.int32, device=dev)
+             for k, s in marlin_shapes(e, h, i).items()}  # fmt: skip
+        if t["w1"].device.type != "meta":  # meta: --dry-check, shapes only
+            g = torch.Generator(device=dev).manual_seed(1)
+            for k in ("w1", "w2"):  # every bit pattern is a valid int4 code
+                t[k].random_(-(2**31), 2**31 - 1, generator=g)
+            for k in ("s1", "s2"):
+                t[k].uniform_(0.0, 0.01, generator=g)
+        return t
+
+    def moe_sum(y, out, topk_ids, expert_map):  # MarlinExperts.moe_sum, no expert map
+        ops.moe_sum(y, out)
+        return out
 
     def make(x, mw, tw, ids):
-        w1, w2, s1, s2, ws = mw
-        return lambda: fused_marlin_moe(x, w1, w2, None, None, s1, s2, tw, ids, UINT4B8_ID,
-                                        global_num_experts=w1.shape[0],
-                                        activation=MoEActivation.SILU, workspace=ws)  # fmt: skip
+        # As vLLM: no workspace argument, so fused_marlin_moe allocates
+        # marlin_make_workspace_new(device, 4) (SMs x 4 int32 locks, zeroed) on every call;
+        # input_dtype None (VLLM_MARLIN_INPUT_DTYPE unset); the intermediate caches and the output
+        # (vLLM's come from the modular kernel's workspace) are allocated inside, which is free
+        # in a CUDA graph replay.
+        return lambda: fused_marlin_moe(
+            hidden_states=x, w1=mw["w1"], w2=mw["w2"], bias1=None, bias2=None,
+            w1_scale=mw["s1"], w2_scale=mw["s2"], topk_weights=tw, topk_ids=ids,
+            quant_type_id=scalar_types.uint4b8.id, apply_router_weight_on_input=False,
+            global_num_experts=mw["w1"].shape[0], activation=MoEActivation.SILU,
+            moe_sum=moe_sum, expert_map=None, g_idx1=mw["g_idx"], g_idx2=mw["g_idx"],
+            sort_indices1=mw["g_idx"], sort_indices2=mw["g_idx"], is_k_full=True,
+        )  # fmt: skip
 
     return weights, make
 
 
+def marlin_dry_check(shapes: list[str], ms: list[int], dtype, sms: int = 132) -> None:
+    """CPU only: runs vLLM's own fused_marlin_moe Python code (its asserts, block-size choice,
+    moe_align_block_size sizing, cache views, activation asserts) on meta tensors from
+    vllm_marlin(), with the CUDA ops replaced by stand-ins; the GEMM stand-in applies
+    moe_wna16_marlin_gemm's TORCH_CHECKs (csrc/moe/marlin_moe_wna16/ops.cu). sms: H100 SXM."""
+    import inspect
+    from unittest import mock
+
+    import vllm._custom_ops as ops
+    from vllm.model_executor.layers.fused_moe.experts import marlin_moe as mm
+
+    sig = inspect.signature(ops.moe_wna16_marlin_gemm)
+    calls = []
+
+    def gemm(*args, **kw):
+        a = sig.bind(*args, **kw).arguments  # names the arguments as the wrapper declares them
+        x, b, s, ws = a["input"], a["b_qweight"], a["b_scales"], a["workspace"]
+        m, n, k, bm = a["size_m"], a["size_n"], a["size_k"], a["moe_block_size"]
+        blocks = a["sorted_token_ids"].numel() // bm
+        checks = {
+            "a [size_m, size_k]": tuple(x.shape) == (m, k),
+            "b.size(1) == size_k/16": k % 16 == 0 and b.shape[1] == k // 16,
+            "size_n == b.size(2)/16*8": b.shape[2] % 16 == 0 and b.shape[2] // 16 * 8 == n,
+            "scales [E, K/128, N]": s.dim() == 3 and (s.shape[1] * 128, s.shape[2]) == (k, n),
+            "scales in a's dtype": x.dtype == s.dtype,
+            "int32, contiguous": b.dtype == torch.int32 and b.is_contiguous() and s.is_contiguous(),
+            "a thread tile fits (n % 128, k % 64)": n % 128 == 0 and k % 64 == 0,
+            "workspace >= min(n/64 * blocks, SMs*4)": ws.numel() >= min(n // 64 * blocks, sms * 4),
+            "moe_block_size in 8..64": bm in (8, 16, 32, 48, 64),
+            "no act-order (g_idx [E, 0])": a["g_idx"] is None or a["g_idx"].shape[-1] == 0,
+        }  # fmt: skip
+        bad = [c for c, ok in checks.items() if not ok]
+        assert not bad, f"moe_wna16_marlin_gemm M={m} N={n} K={k}: fails {bad}"
+        calls.append((m, n, k, bm))
+        return x.new_empty(m * a["top_k"], n) if a["output"] is None else a["output"]
+
+    def workspace(dev, per_sm):  # marlin_make_workspace_new with `sms` SMs
+        return torch.zeros(sms * per_sm, dtype=torch.int32, device=dev)
+
+    nop = lambda *a: None
+    with (
+        mock.patch.object(ops, "moe_wna16_marlin_gemm", gemm),
+        mock.patch.object(ops, "moe_align_block_size", nop),
+        mock.patch.object(ops, "moe_sum", nop),
+        mock.patch.object(mm, "marlin_make_workspace_new", workspace),
+        mock.patch.object(torch.ops._C, "silu_and_mul", nop, create=True),
+    ):
+        weights, make = vllm_marlin()
+        for sh in shapes:
+            label, e, topk, h, i = SHAPES[sh]
+            mw = weights(e, h, i, "meta", dtype)
+            assert mm.marlin_moe_intermediate_size(mw["w1"], mw["w2"]) == i, "w2: [E, I/16, 2H]"
+            calls.clear()
+            for m in ms:
+                tw = torch.empty(m, topk, dtype=torch.float32, device="meta")
+                ids = torch.empty(m, topk, dtype=torch.int32, device="meta")
+                y = make(torch.empty(m, h, dtype=dtype, device="meta"), mw, tw, ids)()
+                assert tuple(y.shape) == (m, h), (sh, m, tuple(y.shape))
+            print(f"dry-check {sh} ({label}): " + ", ".join(
+                f"{k} {list(v.shape)} {str(v.dtype)[6:]}" for k, v in mw.items())
+                + f"; {len(calls)} GEMM calls for M={ms} pass, block sizes "
+                + f"{sorted({c[3] for c in calls})}", flush=True)  # fmt: skip
+
+
 # ----------------------------------------------------------------------------- run
+
+
+class Watchdog:
+    """A CUDA call that does not return (a driver PTX JIT, a hung kernel) cannot be interrupted
+    from Python, but ops release the GIL, so a thread still runs: while a step is inside
+    ``running(what)`` it prints what is running every ``every_s``, and past ``deadline_s`` (from
+    t0) it calls ``on_timeout(what)`` (which writes the results) and ends the process, exit
+    status 3, so that no step outlives the time budget silently."""
+
+    def __init__(self, t0: float, deadline_s: float, on_timeout, every_s: float = 15.0):
+        self.t0, self.deadline_s, self.on_timeout = t0, deadline_s, on_timeout
+        self.every_s, self.what, self.since = every_s, None, 0.0
+        threading.Thread(target=self._loop, daemon=True).start()
+
+    @contextlib.contextmanager
+    def running(self, what: str):
+        self.what, self.since = what, time.monotonic()
+        try:
+            yield
+        finally:
+            self.what = None
+
+    def _loop(self) -> None:
+        while True:
+            time.sleep(self.every_s)
+            what, now = self.what, time.monotonic()
+            if what is None or now - self.since < self.every_s:
+                continue
+            print(f"[{now - self.t0:6.1f}s] ... {what}: {now - self.since:.0f} s so far",
+                  flush=True)  # fmt: skip
+            if now - self.t0 > self.deadline_s:
+                self.on_timeout(what)
+                os._exit(3)
 
 
 def rel_err(y, ref) -> float:
@@ -188,6 +316,9 @@ def main(argv=None) -> int:
     ap.add_argument("--baselines", default="torch,vllm,marlin")
     ap.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     ap.add_argument("--check-only", action="store_true")
+    ap.add_argument("--dry-check", action="store_true",
+                    help="CPU only: run vLLM's fused_marlin_moe Python code on meta tensors,\n"
+                         "the CUDA ops replaced by checks of their shape requirements")  # fmt: skip
     ap.add_argument("--out", type=Path, default=HERE / "results")
     ap.add_argument("--tag", default="")
     ap.add_argument("--l2-factor", type=float, default=3.0)
@@ -197,8 +328,12 @@ def main(argv=None) -> int:
     ap.add_argument("--env", default="", help="KEY=VAL,... set for the kbit calls (e.g. KBIT_MOE_TM=32)")
     a = ap.parse_args(argv)
     t0 = time.monotonic()
-    import os
-
+    shapes = [s.strip() for s in a.shapes.split(",") if s.strip()]
+    ms = [int(m) for m in a.m.split(",") if m.strip()]
+    dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float16
+    if a.dry_check:
+        marlin_dry_check(shapes, ms, dtype)
+        return 0
     for kv in filter(None, a.env.split(",")):
         k, _, v = kv.partition("=")
         os.environ[k] = v
@@ -208,11 +343,8 @@ def main(argv=None) -> int:
     if "moe" in getattr(_ops, "_cuda_reference_ops", []):
         print("WARNING: kbit::moe has no CUDA kernel here: timing the PyTorch reference", flush=True)
     dev = "cuda"
-    dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float16
     torch.backends.cuda.matmul.allow_tf32 = False
-    shapes = [s.strip() for s in a.shapes.split(",") if s.strip()]
     bits_list = [int(b) for b in a.bits.split(",") if b.strip()]
-    ms = [int(m) for m in a.m.split(",") if m.strip()]
     base = {b.strip() for b in a.baselines.split(",") if b.strip()}
     meta = run_metadata(["benchmarks/bench_moe.py", *(sys.argv[1:] if argv is None else argv)])
     meta["kbit_backend"] = backend
@@ -250,6 +382,13 @@ def main(argv=None) -> int:
         (a.out / f"{name}.md").write_text(md)
         return md
 
+    def stop(what: str) -> None:
+        notes.append(f"{what}: still running after the time budget (+60 s); run stopped")
+        print(f"[{time.monotonic() - t0:6.1f}s] {notes[-1]}", flush=True)
+        write_results()
+
+    dog = Watchdog(t0, a.time_budget_s + 60, stop)
+
     def measure(sh, method, bits, m, fns, active, ebytes):
         p = Point(sh, method, bits, m, calls=len(fns), active_experts=active,
                   weight_bytes=active * ebytes)  # fmt: skip
@@ -258,8 +397,10 @@ def main(argv=None) -> int:
             points.append(p)
             return
         try:
-            t = time_calls(fns, warmup=3, min_reps=10, max_reps=100, target_s=0.02)
-            p.us, p.timing, p.samples_us = t.us, t.method, t.samples_us
+            with dog.running(f"{sh} {method} k={bits or '-'} M={m}"):
+                t = time_calls(fns, warmup=3, min_reps=10, max_reps=100, target_s=0.02)
+            p.us, p.samples_us = t.us, t.samples_us
+            p.timing = t.method + (f" ({t.note})" if t.note else "")  # e.g. why no graph
             p.tbps = p.weight_bytes / (t.us * 1e-6) / 1e12
         except Exception as e:  # noqa: BLE001
             p.status = f"n/a: {type(e).__name__}: {str(e)[:160]}"
@@ -338,12 +479,28 @@ def main(argv=None) -> int:
             del ref_w, w13, w2
             torch.cuda.empty_cache()
             write_results()
-        if marlin is not None and not a.check_only:
+        if marlin is not None and not a.check_only and time.monotonic() - t0 > a.time_budget_s:
+            notes.append(f"{sh}: Marlin skipped (time budget)")
+        elif marlin is not None and not a.check_only:
             weights, make = marlin
-            print(f"[{time.monotonic() - t0:6.1f}s] {sh}: Marlin MoE weights and first calls",
+            # vLLM 0.26's wheel has the Marlin MoE kernels as sm_75/80/89/120 code and sm_80 PTX
+            # only (CMake MARLIN_MOE_ARCHS "8.0+PTX;12.0f"): on sm_90/sm_100 the first call waits
+            # for the driver to JIT-compile the bf16 x uint4b8 module (75 kernels, 16 MiB of PTX;
+            # 46 s in ptxas -O3 on one core), once per machine (the driver caches the result).
+            jit = torch.cuda.get_device_capability()[0] in (9, 10)
+            print(f"[{time.monotonic() - t0:6.1f}s] {sh}: Marlin MoE weights and first call"
+                  + (" (a PTX JIT on this GPU: about a minute)" if jit else ""),
                   flush=True)  # fmt: skip
             try:
                 mw = weights(e, h, i, dev, dtype)
+                (tw, ids), x = cases[ms[0]][0][0], cases[ms[0]][1][0]
+                t1 = time.monotonic()
+                with dog.running(f"{sh} marlin first call"):
+                    make(x, mw, tw, ids)()
+                    torch.cuda.synchronize()
+                meta.setdefault("marlin_first_call_s", {})[sh] = round(time.monotonic() - t1, 1)
+                print(f"[{time.monotonic() - t0:6.1f}s] {sh}: Marlin first call took "
+                      f"{time.monotonic() - t1:.1f} s", flush=True)  # fmt: skip
                 eb = expert_bytes("marlin", None, h, i)
                 for m in ms:
                     rs, xs, active = cases[m]
