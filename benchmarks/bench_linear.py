@@ -154,7 +154,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     add("--reverse-paths", action="store_true",
         help="time the kbit paths in reverse order (linear, dequant, mma, gemv)")
     add("--wgmma", action="store_true",
-        help="also time kbit::mma with KBIT_MMA_WGMMA=1 (sm_90a builds) as path mma_wg, M > 32")
+        help="time kbit::mma's wgmma variant (KBIT_MMA_WGMMA=1, sm_90a builds) as path mma_wg, M > 32,\n"
+             "and its mma.sync variant alone (KBIT_MMA_WGMMA=0) as path mma")
     add("--time-budget-s", type=float, default=420.0, help="start no new shape/k after this")
     add("--vllm-ops-lib", help="vLLM's _C_stable_libtorch.abi3.so (or .xz), if vllm won't import")
     add("--allow-reference", action="store_true", help="run without vllm_kbit._C (slow)")
@@ -462,20 +463,25 @@ def check_int4(run: Run, sh: Shape, meth: str, factory: Factory, w_ref: torch.Te
 
 
 def kbit_fn(path: str, x: torch.Tensor, qt: torch.Tensor, at: torch.Tensor, cb: torch.Tensor,
-            bits: int, n: int) -> Callable[[], torch.Tensor]:  # fmt: skip
+            bits: int, n: int, wgmma: bool = False) -> Callable[[], torch.Tensor]:  # fmt: skip
+    """One call of a kbit path. wgmma (--wgmma): "mma" is kbit::mma's mma.sync variant alone
+    (KBIT_MMA_WGMMA=0) and "mma_wg" its wgmma variant (=1); otherwise "mma" is the op as it
+    chooses by shape."""
     if path == "dequant":
         k, dq = x.shape[1], torch.ops.kbit.dequantize_tiled
         return lambda: torch.matmul(x, dq(qt, at, cb, bits, n, k, x.dtype).t())
-    if path == "mma_wg":  # the op reads KBIT_MMA_WGMMA per call (also while a graph is captured)
+    if path == "mma_wg" or (path == "mma" and wgmma):
+        # the op reads KBIT_MMA_WGMMA per call (also while a graph is captured)
+        flag = "1" if path == "mma_wg" else "0"
 
-        def wg() -> torch.Tensor:
-            os.environ["KBIT_MMA_WGMMA"] = "1"
+        def mma() -> torch.Tensor:
+            os.environ["KBIT_MMA_WGMMA"] = flag
             try:
                 return torch.ops.kbit.mma(x, qt, at, cb, bits, n)
             finally:
                 os.environ.pop("KBIT_MMA_WGMMA", None)
 
-        return wg
+        return mma
     op = getattr(torch.ops.kbit, path)
     return lambda: op(x, qt, at, cb, bits, n)
 
@@ -522,7 +528,7 @@ def check_kbit(run: Run, sh: Shape, bits: int, w: torch.Tensor, qt: torch.Tensor
             continue
         for m in [m for m in ms if path in kbit_paths(run.cfg, m)]:
             x = torch.randn(m, sh.k, device=run.dev, dtype=run.act)
-            y, why = attempt(run, kbit_fn(path, x, qt, at, cb, bits, sh.n))
+            y, why = attempt(run, kbit_fn(path, x, qt, at, cb, bits, sh.n, run.cfg.wgmma))
             if y is None:
                 run.check(sh, bits, path, m, "rel_err", None, False, why)
                 continue
@@ -565,7 +571,7 @@ def run_kbit(run: Run, sh: Shape, bits: int, w: torch.Tensor) -> None:
         cells = []
         paths = kbit_paths(run.cfg, m)
         for path in reversed(paths) if run.cfg.reverse_paths else paths:
-            fns = [kbit_fn(path, x, q, a, cb, bits, sh.n) for q, a in copies]
+            fns = [kbit_fn(path, x, q, a, cb, bits, sh.n, run.cfg.wgmma) for q, a in copies]
             cells.append(f"{path} {_cell(measure(run, sh, path, bits, m, fns))}")
         run.log(f"{sh.label:<12} k={bits}  M={m:<5} " + "  ".join(cells) + f" us  (R={R})")
     del copies, qt, at

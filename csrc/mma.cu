@@ -26,6 +26,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <mutex>
@@ -331,17 +332,31 @@ void run_bits(int tm, bool wg, bool bf16, const at::Tensor& x, const at::Tensor&
     }
 }
 
-// The wgmma path (KBIT_MMA_WGMMA=1, M > 32): only where this build has sm_90a code (setup.py
-// defines KBIT_SM90A for a 9.0a arch) and the GPU is sm_90, whose SASS it then runs.
-bool use_wgmma(const at::Tensor& x, int64_t M) {
+// The wgmma path, only where this build has sm_90a code (setup.py defines KBIT_SM90A for a 9.0a
+// arch) and the GPU is sm_90, whose SASS it then runs. KBIT_MMA_WGMMA: unset = by shape, 0 = never,
+// 1 = for every M > 32. By shape, from the H100 runs in benchmarks/results/
+// bench_linear_h100__s4_wgmma_db.md: its 128-token tile wins where one tile of tokens already
+// gives >= 64 CTAs of 256 rows without split-K (8B gate_up, M = 96: 88 vs 158 us for mma.sync; 70B
+// gate_up, M = 256: 718 vs 805). On narrow layers it needs split-K, whose 128-token fp32 partial
+// tiles cost more than they save (70B down, M = 128: 335 vs 201 us), and up to M = 64 the two tie.
+bool use_wgmma(const at::Tensor& x, int64_t M, int64_t n) {
 #if defined(KBIT_SM90A)
-    if (M <= 32 || env_int("KBIT_MMA_WGMMA", 0) == 0) return false;
-    int major = 0, minor = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, x.get_device()));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, x.get_device()));
-    return major == 9 && minor == 0;
+    const int mode = env_int("KBIT_MMA_WGMMA", -1);
+    if (mode == 0 || M <= 32) return false;
+    if (mode != 1 && !(M > 64 && ((M <= 128 && n >= 16384) || (M <= 256 && n >= 32768))))
+        return false;
+    static std::atomic<int> sm90[64];  // per device: 0 = not asked yet, 1 = sm_90, 2 = other
+    const int dev = x.get_device();
+    if (dev >= 64) return false;
+    if (sm90[dev].load(std::memory_order_relaxed) == 0) {
+        int major = 0, minor = 0;
+        C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+        C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+        sm90[dev].store(major == 9 && minor == 0 ? 1 : 2, std::memory_order_relaxed);
+    }
+    return sm90[dev].load(std::memory_order_relaxed) == 1;
 #else
-    (void)x, (void)M;
+    (void)x, (void)M, (void)n;
     return false;
 #endif
 }
@@ -368,7 +383,7 @@ at::Tensor mma(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tens
     const bool aligned = reinterpret_cast<uintptr_t>(x_in.data_ptr()) % 16 == 0 &&
                          (M == 1 || x_in.stride(0) % 8 == 0);
     const at::Tensor x = aligned ? x_in : x_in.clone(at::MemoryFormat::Contiguous);
-    const bool wg = use_wgmma(x, M);
+    const bool wg = use_wgmma(x, M, n);
     const int tm = wg ? (M <= 64 ? 64 : 128) : M <= 8 ? 8 : M <= 16 ? 16 : M <= 32 ? 32 : 64;
     const bool bf16 = x.scalar_type() == at::kBFloat16;
     switch (bits) {

@@ -281,6 +281,26 @@ def test_wgmma_one_hot_layout(monkeypatch, dtype: torch.dtype) -> None:
 
 
 @wgmma
+@pytest.mark.parametrize("n,m,want_wg", [(16384, 100, True), (16384, 64, False), (16384, 200, False),
+                                         (32768, 200, True), (1024, 100, False)])  # fmt: skip
+def test_wgmma_chosen_by_shape(monkeypatch, n: int, m: int, want_wg: bool) -> None:
+    # KBIT_MMA_WGMMA unset: the wgmma variant for 64 < M <= 128 at n >= 16384 and M <= 256 at
+    # n >= 32768 (mma.cu, use_wgmma); the two variants round differently, so the unset result
+    # equals exactly one of the forced ones (checked to differ first).
+    k, bits = 256, 4
+    qt, at, cb, w32 = _quantized(n, k, bits)
+    x = _x(m, k, torch.float16, seed=n + m)
+    forced = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("KBIT_MMA_WGMMA", flag)
+        forced[flag] = _mma(x, qt, at, cb, bits, n)
+        _check(forced[flag], x, w32)
+    assert not torch.equal(forced["0"], forced["1"])
+    monkeypatch.delenv("KBIT_MMA_WGMMA")
+    assert torch.equal(_mma(x, qt, at, cb, bits, n), forced["1" if want_wg else "0"])
+
+
+@wgmma
 @pytest.mark.parametrize("m", [64, 256])
 def test_wgmma_real_shapes_and_splits(monkeypatch, m: int) -> None:
     monkeypatch.setenv("KBIT_MMA_WGMMA", "1")
@@ -293,7 +313,7 @@ def test_wgmma_real_shapes_and_splits(monkeypatch, m: int) -> None:
             monkeypatch.setenv("KBIT_MMA_SPLITS", splits)
             _check(_mma(x, qt, at, cb, bits, n), x, w32)
         monkeypatch.delenv("KBIT_MMA_SPLITS")
-        monkeypatch.delenv("KBIT_MMA_WGMMA")
+        monkeypatch.setenv("KBIT_MMA_WGMMA", "0")
         _check(_mma(x, qt, at, cb, bits, n), x, w32)  # the mma.sync path on the same data
         monkeypatch.setenv("KBIT_MMA_WGMMA", "1")
         _quantized.cache_clear()
