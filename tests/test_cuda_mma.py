@@ -285,8 +285,9 @@ def test_wgmma_one_hot_layout(monkeypatch, dtype: torch.dtype) -> None:
                                          (32768, 200, True), (1024, 100, False)])  # fmt: skip
 def test_wgmma_chosen_by_shape(monkeypatch, n: int, m: int, want_wg: bool) -> None:
     # KBIT_MMA_WGMMA unset: the wgmma variant for 64 < M <= 128 at n >= 16384 and M <= 256 at
-    # n >= 32768 (mma.cu, use_wgmma); the two variants round differently, so the unset result
-    # equals exactly one of the forced ones (checked to differ first).
+    # n >= 32768 (mma.cu, use_wgmma). Both variants accumulate each k16 step in fp32 in the same
+    # order, so with the same split-K they agree bit for bit (H100, ddb3e5f: 4 of these 5 cases);
+    # where the splits differ (n = 16384, M = 100) the unset result must equal the wgmma one.
     k, bits = 256, 4
     qt, at, cb, w32 = _quantized(n, k, bits)
     x = _x(m, k, torch.float16, seed=n + m)
@@ -295,7 +296,6 @@ def test_wgmma_chosen_by_shape(monkeypatch, n: int, m: int, want_wg: bool) -> No
         monkeypatch.setenv("KBIT_MMA_WGMMA", flag)
         forced[flag] = _mma(x, qt, at, cb, bits, n)
         _check(forced[flag], x, w32)
-    assert not torch.equal(forced["0"], forced["1"])
     monkeypatch.delenv("KBIT_MMA_WGMMA")
     assert torch.equal(_mma(x, qt, at, cb, bits, n), forced["1" if want_wg else "0"])
 

@@ -4,7 +4,8 @@
 # at most 64 MiB, the checkout itself is ~9 MiB, and v1 alone is 58 MiB. The four pieces are one
 # byte stream (the compressed wheel, then the dependency wheels' tar) cut at 42 MiB; s4 also holds
 # install-vllm.sh. On the GPU machine, four calls back to back (it goes back ~30 s after a call):
-#   carry .gpu/s1:  mkdir -p /opt/stage && cp .gpu/s1/* /opt/stage/   [&& other work]
+#   carry .gpu/s1:  mkdir -p /opt/stage && cp .gpu/s1/* /opt/stage/   [&& other work, e.g.
+#                   tools/gpu_check.sh, which also pays the first-pinned-allocation stall]
 #   carry .gpu/s2:  cp .gpu/s2/* /opt/stage/                           [&& other work]
 #   carry .gpu/s3:  cp .gpu/s3/* /opt/stage/                           [&& other work]
 #   carry .gpu/s4:  bash tools/gpu_stage_join.sh && . /opt/vsite/env.sh [&& other work]
