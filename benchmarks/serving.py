@@ -20,6 +20,7 @@ Subcommands:
   offline    bench throughput + bench latency per method (one engine start each)
   summarize  rebuild summary.md / summary.json / PNGs from a results dir (--merge other dirs)
   pack       write a results dir into one .tar.gz (logs truncated)
+  _client    (internal) one bench-serve client process for all runs of a method, see client_main
 
     python3 benchmarks/serving.py serve --dry-run                 # commands + time estimate
     python3 benchmarks/serving.py serve --methods fp16 --out-dir /tmp/kbit-serving --pack $OUT/serving.tar.gz
@@ -35,6 +36,7 @@ summary.{md,json}, serving_throughput.png, serving_tpot.png. A run whose JSON sa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import hashlib
 import io
@@ -81,6 +83,10 @@ KERNEL_RE = re.compile(r"Using (\w+) for (\w+)")
 KBIT_REFERENCE_RE = re.compile(r"vllm_kbit\._C is not built")
 THROUGHPUT_RE = re.compile(r"Throughput: ([0-9.]+) requests/s, ([0-9.]+) total tokens/s, "
                            r"([0-9.]+) output tokens/s")  # fmt: skip
+BENCH_FN = "vllm.benchmarks.serve:main"  # what `vllm bench serve` runs (tests swap in a fake)
+READY_MARK, DONE_MARK = "KBIT_CLIENT_READY", "KBIT_CLIENT_DONE "  # client_main's protocol lines
+RUN_OVERHEAD_S = 3.0  # per run inside the client: parser, tokenizer, prompt sampling
+MIN_RUN_LIMIT_S = 180.0  # a run's time limit is max(3 x estimate, this)
 EXIT_GRACE_S = 15.0  # an offline bench that wrote its JSON gets this long to exit by itself
 VERIFY_FRACTION = 0.9  # a quantized method loading >= 90% of fp16's memory did not quantize
 
@@ -323,6 +329,12 @@ class Settings:
 
     def launcher_argv(self) -> list[str]:
         return shlex.split(self.launcher.replace("{python}", sys.executable))
+
+    def client_cmd(self) -> list[str]:
+        """The bench client driver (client_main), run by the launcher's python."""
+        head = self.launcher_argv()[0]
+        py = head if "python" in Path(head).name else sys.executable
+        return [py, str(Path(__file__).resolve()), "_client", BENCH_FN]
 
     def engine_args(self, method: Method) -> list[str]:
         """Engine arguments shared by vllm serve / bench throughput / bench latency."""
@@ -642,7 +654,8 @@ def kill_group(pgid: int, term_wait_s: float = 8.0, kill_wait_s: float = 30.0) -
     _GROUPS.discard(pgid)
 
 
-def start_group(cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
+def start_group(cmd: list[str], log: Path, env: dict[str, str],
+                stdin: int | None = None) -> subprocess.Popen:  # fmt: skip
     log.parent.mkdir(parents=True, exist_ok=True)
     full_env = dict(os.environ)
     full_env.update(env)
@@ -650,8 +663,8 @@ def start_group(cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Po
     with open(log, "w") as f:
         f.write(f"# {now_iso()} {shell(cmd, env)}\n")
         f.flush()
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=full_env,
-                                start_new_session=True, cwd=REPO)  # setsid  # fmt: skip
+        proc = subprocess.Popen(cmd, stdin=stdin, stdout=f, stderr=subprocess.STDOUT,
+                                env=full_env, start_new_session=True, cwd=REPO)  # setsid  # fmt: skip
     _GROUPS.add(proc.pid)
     return proc
 
@@ -703,7 +716,7 @@ class Ctx:
         s = self.s
         return self.calib * estimate_run_s(method, s.model_cfg, c, s.num_prompts(c), s.input_len,
                                            s.output_len, s.warmups(c),
-                                           self.args.est_client_s)  # fmt: skip
+                                           client_costs(self.args)[1])  # fmt: skip
 
 
 def fp16_reference(out: Path, s: Settings) -> tuple[float | None, str]:
@@ -866,14 +879,155 @@ def run_client(ctx: Ctx, cmd: list[str], log: Path, timeout: float, env: dict | 
             pass
 
 
+def client_main(bench_fn: str) -> int:
+    """``serving.py _client MODULE:FUNC``: one process runs every `vllm bench serve` of a
+    method, saving the imports each client process pays (21-34 s on the H100). Each stdin line
+    is a JSON ``{"argv": ["bench", "serve", ...], "log": PATH}`` (the per-run CLI arguments);
+    stdout and stderr go to PATH for the run, which ends with the line DONE_MARK {"rc": ...}.
+
+    Reusing vLLM 0.26's vllm/benchmarks/serve.py main (what `vllm bench serve` calls,
+    entrypoints/cli/benchmark/serve.py:21) in one process, from its source:
+    - main() is asyncio.run(main_async(args)) (serve.py:1883): a new event loop per run; its
+      aiohttp sessions are made inside it (benchmark() :818, prompt alignment :88), so no
+      connection, semaphore or loop is shared between runs.
+    - main_async seeds random and np.random with args.seed first (:1889); the random dataset
+      draws from its own np.random.default_rng(args.seed) (datasets.py:582), so a run gets the
+      same prompts as a fresh process with the same --seed.
+    - the tokenizer is loaded per run by get_tokenizer (:1973; only argument resolution is
+      lru_cached), nothing else is cached at module level.
+    - main_async mutates args (ignore_eos, self_timed, random_range_ratio): every run parses a
+      new Namespace with a newly built parser, which also draws a new --request-id-prefix
+      default (bench-<uuid>-, evaluated in add_cli_args, :1715) as a new process would.
+    - freeze_gc_heap() (:2093) gc.freeze()s each run: earlier runs' objects stay frozen (MBs).
+    - an exception leaves that run's aiohttp session unclosed (a warning); the loop closes.
+    The parser and platform are set up as vllm/entrypoints/cli/main.py does for `vllm bench`.
+    """
+    import importlib
+    import traceback
+
+    mod, fn = bench_fn.split(":")
+    bench = getattr(importlib.import_module(mod), fn)
+    sys.argv = ["vllm", "bench", "serve"]  # vLLM adds the bench subparsers only for `vllm bench`
+    from vllm import platforms
+    from vllm.entrypoints.cli.benchmark import main as bench_cli
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    cli_env_setup()
+    if platforms.current_platform.is_unspecified():
+        from vllm.platforms.cpu import CpuPlatform
+
+        platforms.current_platform = CpuPlatform()
+    home = os.dup(1)
+    print(READY_MARK, flush=True)
+    while line := sys.stdin.readline():
+        job = json.loads(line)
+        fd = os.open(job["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+        rc = 0
+        try:
+            sys.argv = ["vllm"] + job["argv"]
+            parser = FlexibleArgumentParser(description="vLLM CLI")
+            sub = parser.add_subparsers(required=False, dest="subparser")
+            for cmd in bench_cli.cmd_init():
+                cmd.subparser_init(sub).set_defaults(dispatch_function=cmd.cmd)
+            args = parser.parse_args(job["argv"])
+            if (args.subparser, getattr(args, "bench_type", None)) != ("bench", "serve"):
+                raise ValueError(f"not a bench serve command: {job['argv'][:2]}")
+            bench(args)
+        except (Exception, SystemExit) as e:  # noqa: BLE001  (the run fails, the next goes on)
+            traceback.print_exc()
+            rc = e.code if isinstance(e, SystemExit) and isinstance(e.code, int) else 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        print(DONE_MARK + json.dumps({"rc": rc}), flush=True)
+        os.dup2(home, 1)
+        os.dup2(home, 2)
+    return 0
+
+
+class BenchClient:
+    """The parent's handle on the client_main process of a method: start() once, run() per
+    run; a run past its limit kills it, and the next run starts a new one."""
+
+    def __init__(self, ctx: Ctx, name: str) -> None:
+        self.ctx, self.name, self.starts = ctx, name, 0
+        self.proc: subprocess.Popen | None = None
+        self.log = ctx.out / "logs" / f"bench_{name}_client__{ctx.session['id']}.log"
+        self.error: str | None = None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self, limit: float) -> dict:
+        """Start it and wait for its READY line; the run record's start-up field."""
+        self.starts += 1
+        sfx = "" if self.starts == 1 else str(self.starts)
+        self.log = self.log.with_name(f"bench_{self.name}_client{sfx}__{self.ctx.session['id']}"
+                                      ".log")  # fmt: skip
+        t0, self.error = time.time(), None
+        self.proc = start_group(self.ctx.s.client_cmd(), self.log, {"PYTHONUNBUFFERED": "1"},
+                                stdin=subprocess.PIPE)  # fmt: skip
+        while READY_MARK not in self.log.read_text(errors="replace"):
+            if self.proc.poll() is not None or time.time() - t0 > limit:
+                why = (f"exited rc={self.proc.returncode}" if self.proc.poll() is not None
+                       else f"not ready after {limit:.0f} s")  # fmt: skip
+                self.error = f"bench client did not start ({why}): {error_line(self.log)}"
+                self.stop(0)
+                break
+            time.sleep(0.2)
+        dt = time.time() - t0
+        say(f"[{self.name}] bench client " + (self.error or f"up in {dt:.0f} s"))
+        return {"client_startup_s": round(dt, 1)}
+
+    def run(self, cmd: list[str], log: Path, timeout: float) -> tuple[int | None, bool]:
+        """(rc, timed_out) of one run, as run_client; its output goes to ``log``."""
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "w") as f:
+            f.write(f"# {now_iso()} {shell(cmd)}\n")
+            if self.proc is None or self.proc.stdin is None:
+                f.write(f"{self.error}\n")
+                return None, False
+            f.write(f"# run by the bench client pid {self.proc.pid} ({self.log.name})\n")
+        job = {"argv": cmd[len(self.ctx.s.launcher_argv()) :], "log": str(log)}
+        t0 = time.time()
+        with contextlib.suppress(OSError):  # a dead client is seen below
+            self.proc.stdin.write((json.dumps(job) + "\n").encode())
+            self.proc.stdin.flush()
+        while True:
+            m = re.search(DONE_MARK + r"(\{.*\})", log.read_text(errors="replace"))
+            if m:
+                return json.loads(m.group(1))["rc"], False
+            if self.proc.poll() is not None or time.time() - t0 > timeout:
+                rc = self.proc.returncode
+                self.stop(0)
+                return (rc, False) if rc is not None else (None, True)
+            time.sleep(0.05 if time.time() - t0 < 2 else 0.5)
+
+    def stop(self, wait_s: float = 2.0) -> None:
+        """EOF on its stdin (it exits by itself), then SIGTERM / SIGKILL to its group."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        with contextlib.suppress(OSError):
+            proc.stdin.close()  # type: ignore[union-attr]
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=wait_s)
+        kill_group(proc.pid, 3.0, 20.0)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5)
+
+
 def serve_method(ctx: Ctx, name: str, concs: list[int], blocked: str | None) -> bool:
     """All pending concurrencies of one method against one server. False = budget stop."""
     method = METHODS[name]
     if blocked:
         fail_runs(ctx, name, concs, blocked, None)
         return True
-    start_est = ctx.args.est_server_start_s
-    need = start_est + ctx.est(method, concs[0]) + ctx.args.est_stop_s
+    once_s = client_costs(ctx.args)[0]
+    need = ctx.args.est_server_start_s + once_s + ctx.est(method, concs[0]) + ctx.args.est_stop_s
     if need > ctx.budget.left():
         say(f"[{name}] budget: not starting the server (needs ~{need:.0f} s, "
             f"{ctx.budget.left():.0f} s left); rerun the command to continue")  # fmt: skip
@@ -882,6 +1036,7 @@ def serve_method(ctx: Ctx, name: str, concs: list[int], blocked: str | None) -> 
     if proc is None:
         fail_runs(ctx, name, concs, f"server: {srv.get('reason')}", srv)
         return True
+    client = None if ctx.args.client_per_run else BenchClient(ctx, name)
     try:
         ver = srv["verification"]
         if ver["status"] == "failed" and not ctx.args.bench_unverified:
@@ -890,7 +1045,8 @@ def serve_method(ctx: Ctx, name: str, concs: list[int], blocked: str | None) -> 
         model = ctx.dirs[method.kind]
         for c in concs:
             est = ctx.est(method, c)
-            if est + ctx.args.est_stop_s > ctx.budget.left():
+            start_s = once_s if client and not client.alive() else 0.0
+            if start_s + est + ctx.args.est_stop_s > ctx.budget.left():
                 say(f"[{name}] budget: c={c} needs ~{est:.0f} s, {ctx.budget.left():.0f} s left; "
                     "stopping here (rerun the command to resume)")  # fmt: skip
                 return False
@@ -901,10 +1057,20 @@ def serve_method(ctx: Ctx, name: str, concs: list[int], blocked: str | None) -> 
             raw_path = ctx.out / "raw" / raw_name
             cmd = bench_serve_cmd(ctx.s, model, port, name, c, ctx.out / "raw", raw_name)
             log = ctx.out / "logs" / f"bench_{name}_c{c}__{ctx.session['id']}.log"
-            timeout = min(max(3 * est, 180.0), max(30.0, ctx.budget.left() - ctx.args.est_stop_s))
+            extra: dict[str, Any] = {"client": "per-run"}
+            if client:  # its start-up has its own limit and is not part of elapsed_s
+                if not client.alive():
+                    extra.update(client.start(min(max(120.0, 4 * once_s),
+                                                  max(30.0, ctx.budget.left()))))  # fmt: skip
+                extra.update(client="driver", client_log=str(client.log.relative_to(ctx.out)))
+            timeout = min(max(3 * est, MIN_RUN_LIMIT_S),
+                          max(30.0, ctx.budget.left() - ctx.args.est_stop_s))  # fmt: skip
             say(f"[{name}] c={c} n={ctx.s.num_prompts(c)} (est {est:.0f} s, limit {timeout:.0f} s)")
             t0 = time.time()
-            rc, timed_out = run_client(ctx, cmd, log, timeout)
+            if client:
+                rc, timed_out = client.run(cmd, log, timeout)
+            else:
+                rc, timed_out = run_client(ctx, cmd, log, timeout)
             dt = time.time() - t0
             raw = read_json(raw_path)
             why = "" if rc == 0 and raw else error_line(log)
@@ -916,7 +1082,7 @@ def serve_method(ctx: Ctx, name: str, concs: list[int], blocked: str | None) -> 
                              elapsed_s=round(dt, 1), estimated_s=round(est, 1),
                              log=str(log.relative_to(ctx.out)),
                              raw=str(raw_path.relative_to(ctx.out)) if raw else None,
-                             server=server_summary(srv), result=raw)  # fmt: skip
+                             server=server_summary(srv), result=raw, **extra)  # fmt: skip
             write_json(serve_path(ctx.out, name, c), rec)
             if status == "ok":
                 ctx.calib = min(
@@ -930,6 +1096,8 @@ def serve_method(ctx: Ctx, name: str, concs: list[int], blocked: str | None) -> 
                 )
         return True
     finally:
+        if client:
+            client.stop()
         stop_server(ctx, proc, ctx.out / "servers" / f"{name}.pgid")
 
 
@@ -1033,12 +1201,21 @@ def kill_stale_servers(out: Path) -> None:
 # ------------------------------------------------------------------ planning / dry run
 
 
+def client_costs(args: argparse.Namespace) -> tuple[float, float]:
+    """Estimated client start-up (once per method part, per run): the client (client_main)
+    starts once and pays RUN_OVERHEAD_S per run; --client-per-run pays the start every run."""
+    if getattr(args, "client_per_run", False):
+        return 0.0, args.est_client_s
+    return args.est_client_s, RUN_OVERHEAD_S
+
+
 def method_estimate(s: Settings, name: str, concs: list[int],
                     args: argparse.Namespace) -> tuple[float, list[float]]:  # fmt: skip
     m = METHODS[name]
+    once, per_run = client_costs(args)
     runs = [estimate_run_s(m, s.model_cfg, c, s.num_prompts(c), s.input_len, s.output_len,
-                           s.warmups(c), args.est_client_s) for c in concs]  # fmt: skip
-    return args.est_server_start_s + sum(runs) + args.est_stop_s, runs
+                           s.warmups(c), per_run) for c in concs]  # fmt: skip
+    return args.est_server_start_s + once + sum(runs) + args.est_stop_s, runs
 
 
 def split_plan(s: Settings, todo: dict[str, list[int]], args: argparse.Namespace,
@@ -1049,12 +1226,13 @@ def split_plan(s: Settings, todo: dict[str, list[int]], args: argparse.Namespace
     commands: list[list[tuple[str, list[int], float]]] = []
     cur: list[tuple[str, list[int], float]] = []
     used = 0.0
-    fixed = args.est_server_start_s + args.est_stop_s
+    once, per_run = client_costs(args)
+    fixed = args.est_server_start_s + once + args.est_stop_s
     for name, concs in todo.items():
         m = METHODS[name]
         whole = fixed + sum(
             estimate_run_s(m, s.model_cfg, c, s.num_prompts(c), s.input_len, s.output_len,
-                           s.warmups(c), args.est_client_s) for c in concs)  # fmt: skip
+                           s.warmups(c), per_run) for c in concs)  # fmt: skip
         if cur and used + whole > command_s and whole <= command_s:
             commands.append(cur)  # a method that fits a command alone is not split
             cur, used = [], 0.0
@@ -1062,7 +1240,7 @@ def split_plan(s: Settings, todo: dict[str, list[int]], args: argparse.Namespace
         part_s = fixed
         for c in concs:
             r = estimate_run_s(m, s.model_cfg, c, s.num_prompts(c), s.input_len, s.output_len,
-                               s.warmups(c), args.est_client_s)  # fmt: skip
+                               s.warmups(c), per_run)  # fmt: skip
             if used + part_s + r > command_s and (part or cur):
                 if part:
                     cur.append((name, part, part_s))
@@ -1110,13 +1288,20 @@ def print_plan(s: Settings, out: Path, work: Path, methods: list[str], concs: li
             print(f"    server: setsid {shell(server_cmd(s, METHODS[name], model, port), s.method_env(METHODS[name]))}"
                   f" > {out}/logs/server_{name}__<session>.log 2>&1 &")  # fmt: skip
             print(f"    wait for '{STARTUP_MARK}' (limit {args.server_timeout:.0f} s)")
+            n = 0 if args.client_per_run else len(s.launcher_argv())
+            if n:
+                print(f"    client: setsid {shell(s.client_cmd(), {'PYTHONUNBUFFERED': '1'})} > "
+                      f"{out}/logs/bench_{name}_client__<session>.log 2>&1 (~{args.est_client_s:.0f}"
+                      ' s start-up); per run one stdin line {"argv": ARGS, "log": ...}, ARGS as '
+                      f"after `{shell(s.launcher_argv())}`:")  # fmt: skip
             for c, r in zip(concs_m, runs):
                 cmd = bench_serve_cmd(s, model, port, name, c, out / "raw",
                                       f"{name}_c{c}__<session>.json")  # fmt: skip
-                print(f"    c={c:<4d} ~{r:4.0f} s: {shell(cmd)}")
+                print(f"    c={c:<4d} ~{r:4.0f} s: {shell(cmd[n:])}")
             print("    stop: kill -TERM/-KILL -- -<server pgid>, wait for GPU memory to drop")
     print(f"estimated total ~{total / 60:.1f} min (server start ~{args.est_server_start_s:.0f} s "
-          f"per method; rough H100 model, see estimate_run_s)")  # fmt: skip
+          f"per method, client start ~{args.est_client_s:.0f} s per "
+          f"{'run' if args.client_per_run else 'method'}; rough H100 model, see estimate_run_s)")  # fmt: skip
     plan = split_plan(s, todo, args, args.time_budget_s, args.session_s)
     if plan:
         print(f"suggested split (commands <= {args.time_budget_s:.0f} s, sessions <= "
@@ -1534,13 +1719,16 @@ def add_common(p: argparse.ArgumentParser) -> None:
         default=300.0,
         help="seconds to wait for 'Application startup complete'",
     )
-    p.add_argument("--est-server-start-s", type=float, default=75.0)
+    # H100, 8B shape, cold torch.compile cache: 124 s (fp16) and 123 s (kbit4) in
+    # benchmarks/results/serving_h100 (a warm cache on the same machine starts in ~40-60 s)
+    p.add_argument("--est-server-start-s", type=float, default=125.0)
     p.add_argument("--est-stop-s", type=float, default=15.0)
     p.add_argument(
         "--est-client-s",
         type=float,
-        default=12.0,
-        help="estimated start-up of one bench client (imports, tokenizer, dataset)",
+        default=28.0,
+        help="estimated start-up of the bench client (imports; 21-34 s on the H100), paid once "
+        "per method (every run with --client-per-run)",
     )
     p.add_argument(
         "--gpu-free-mib",
@@ -1589,6 +1777,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["_client"]:  # internal: not in --help
+        return client_main(argv[1] if len(argv) > 1 else BENCH_FN)
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(line_buffering=True)  # progress reaches a pipe / log at once
     ap = argparse.ArgumentParser(description=__doc__,
@@ -1601,6 +1791,9 @@ def main(argv: list[str] | None = None) -> int:
     ps.add_argument("--prompts-min", type=int, default=8, help="... at least this ...")
     ps.add_argument("--prompts-max", type=int, default=512, help="... at most this (and >= c)")
     ps.add_argument("--warmup-cap", type=int, default=16, help="--num-warmups = min(c, this)")
+    ps.add_argument("--client-per-run", action="store_true",
+                    help="one `vllm bench serve` process per run (default: one client process "
+                    "per method runs them all, see client_main)")  # fmt: skip
     po = sub.add_parser("offline", help="vllm bench throughput + latency per method")
     add_common(po)
     po.add_argument(

@@ -341,6 +341,10 @@ def test_split_plan_fits_commands(tmp_path: Path) -> None:
     got = {(m, c) for cmd in cmds for m, cs, _ in cmd for c in cs}
     assert got == {(m, c) for m, cs in todo.items() for c in cs}
     assert all(sum(t for cmd in sess for _, _, t in cmd) <= 1200.0 for sess in plan)
+    # the client start-up is paid once per method (part), or every run with --client-per-run
+    once, per_run = sv.method_estimate(s, "fp16", [1, 2, 4], args)[0], sv.method_estimate(
+        s, "fp16", [1, 2, 4], sv.argparse.Namespace(**vars(args), client_per_run=True))[0]  # fmt: skip
+    assert per_run - once == pytest.approx(2 * 12.0 - 3 * sv.RUN_OVERHEAD_S)
     short = sv.split_plan(s, {"fp16": [1, 2, 4, 8, 16, 32, 64, 128, 256]}, args, 200.0, 1e9)
     assert len([c for sess in short for c in sess]) >= 2  # a long method is split
     for c in (1, 64, 256):  # estimates grow with work and stay positive
@@ -404,9 +408,32 @@ def test_tokenizer_with_vllm_random_dataset(vllm_cli, tmp_path: Path) -> None:
 # ------------------------------------------------------------------ whole sweeps, fake vLLM
 
 FAKE_VLLM = r"""
-import json, os, signal, sys, time
+import hashlib, json, os, runpy, signal, sys, time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 a = sys.argv[1:]
+
+class Completions(BaseHTTPRequestHandler):  # just enough OpenAI API for vllm bench serve
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path != "/v1/completions":
+            return self.send_error(404)
+        if os.environ.get("FAKE_PROMPTS") and self.headers.get("x-request-id"):
+            with open(os.environ["FAKE_PROMPTS"], "a") as f:
+                f.write(json.dumps([self.headers["x-request-id"], body["max_tokens"],
+                                    hashlib.sha1(body["prompt"].encode()).hexdigest()]) + "\n")
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        for _ in range(body["max_tokens"]):
+            self.wfile.write(b'data: {"choices": [{"text": " w7"}]}\n\n')
+        self.wfile.write(b'data: {"choices": [], "usage": {"completion_tokens": %d}}\n\n'
+                         b"data: [DONE]\n\n" % body["max_tokens"])
+    def do_GET(self):
+        self.send_error(404)
+    def log_message(self, *args):
+        pass
+
 def opt(name):
     return a[a.index(name) + 1] if name in a else None
 with open(os.environ["FAKE_CALLS"], "a") as f:
@@ -428,8 +455,11 @@ if a[0] == "serve":
         print("RuntimeError: CUDA out of memory (fake)", flush=True)
         sys.exit(3)
     print("(APIServer pid=6) INFO:     Application startup complete.", flush=True)
-    signal.signal(signal.SIGTERM, lambda *x: sys.exit(0))
-    time.sleep(120)
+    signal.signal(signal.SIGTERM, lambda *x: os._exit(0))
+    ThreadingHTTPServer((opt("--host"), int(opt("--port"))), Completions).serve_forever()
+elif a[:2] == ["bench", "serve"] and os.environ.get("FAKE_REAL_BENCH"):
+    sys.argv = ["vllm"] + a  # vLLM's own `vllm bench serve` against the server above
+    runpy.run_module("vllm.entrypoints.cli.main", run_name="__main__")
 elif a[:2] == ["bench", "serve"]:
     c, n = int(opt("--max-concurrency")), int(opt("--num-prompts"))
     if str(c) in os.environ.get("FAKE_FAIL_C", "").split(","):
@@ -462,11 +492,41 @@ elif a[0] == "bench":  # throughput / latency: an LLM in-process, may hang at ex
         time.sleep(120)  # the engine process keeps the script alive
 """
 
+# sv.BENCH_FN in the bench client (serving.py _client): gets vLLM's parsed Namespace
+FAKE_BENCH = r"""
+import json, os, time
+from pathlib import Path
+KEYS = ("seed", "num_prompts", "num_warmups", "max_concurrency", "result_dir", "result_filename",
+        "metadata", "random_input_len", "random_output_len", "port", "request_id_prefix")
+
+def main(args):
+    c, n = args.max_concurrency, args.num_prompts
+    with open(os.environ["FAKE_CALLS"], "a") as f:
+        f.write("bench serve %d\n" % c)
+    print("fake bench serve c=%d" % c, flush=True)
+    if str(c) in os.environ.get("FAKE_FAIL_C", "").split(","):
+        raise RuntimeError("boom (fake)")
+    if str(c) in os.environ.get("FAKE_HANG_C", "").split(","):
+        time.sleep(600)
+    meth = dict(m.split("=", 1) for m in args.metadata)["kbit_method"]
+    t = 100.0 * c * (2.0 if meth != "fp16" else 1.0)
+    res = {"completed": n, "failed": 0, "num_prompts": n, "max_concurrency": c,
+           "output_throughput": t, "median_ttft_ms": 40.0, "p99_ttft_ms": 80.0,
+           "median_tpot_ms": 1000.0 / t * c, "p99_tpot_ms": 2000.0 / t * c,
+           "pid": os.getpid(), "args": {k: getattr(args, k) for k in KEYS}}
+    Path(args.result_dir).mkdir(parents=True, exist_ok=True)
+    (Path(args.result_dir) / args.result_filename).write_text(json.dumps(res))
+    return res
+"""
+
 
 @pytest.fixture
 def fake(tmp_path: Path, monkeypatch):
     script = tmp_path / "fake_vllm.py"
     script.write_text(FAKE_VLLM)
+    (tmp_path / "fake_bench.py").write_text(FAKE_BENCH)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # for the bench client
+    monkeypatch.setattr(sv, "BENCH_FN", "fake_bench:main")
     calls = tmp_path / "calls.txt"
     calls.write_text("")
     monkeypatch.setenv("FAKE_CALLS", str(calls))
@@ -486,7 +546,7 @@ def test_fake_sweep_records_failures_and_resumes(fake, monkeypatch, tmp_path: Pa
     out, base, calls = fake
     monkeypatch.setenv("FAKE_FAIL_C", "2")
     monkeypatch.setenv("FAKE_MARLIN_UNQUANTIZED", "1")
-    argv = ["serve", "--methods", "fp16,kbit2,kbit4,gptq_machete,gptq_marlin",
+    argv = ["serve", "--methods", "fp16,kbit2,kbit4,gptq_machete,gptq_marlin", "--client-per-run",
             "--concurrency", "1,2", "--pack", str(tmp_path / "pack.tar.gz")] + base  # fmt: skip
     assert sv.main(argv) == 0
     rec = {(m, c): json.loads(sv.serve_path(out, m, c).read_text())
@@ -553,6 +613,114 @@ def test_fake_server_crash_and_budget(fake, monkeypatch) -> None:
     assert "kbit4 c=1" in (out / "summary.md").read_text().split("## Not run yet")[1]
 
 
+def _records(out: Path, method: str, concs: list[int]) -> dict[int, dict]:
+    return {c: json.loads(sv.serve_path(out, method, c).read_text()) for c in concs}
+
+
+def test_bench_client_fails_times_out_and_resumes(fake, monkeypatch, vllm_cli) -> None:
+    """One client process (serving.py _client) runs a method's runs through vLLM's parser and
+    the (fake) bench function: an exception fails that run only, a hung run is killed at its
+    limit and the client restarted for the rest, a rerun does only what is not complete."""
+    out, base, calls = fake
+    monkeypatch.setattr(sv, "MIN_RUN_LIMIT_S", 4.0)
+    monkeypatch.setattr(sv, "RUN_OVERHEAD_S", 0.1)
+    monkeypatch.setenv("FAKE_FAIL_C", "2")
+    monkeypatch.setenv("FAKE_HANG_C", "4")
+    argv = ["serve", "--methods", "fp16", "--concurrency", "1,2,4,8"] + base
+    assert sv.main(argv) == 0
+    rec = _records(out, "fp16", [1, 2, 4, 8])
+    assert [rec[c]["status"] for c in (1, 2, 4, 8)] == ["ok", "failed", "failed", "ok"]
+    assert "rc=1" in rec[2]["reason"] and "RuntimeError: boom (fake)" in rec[2]["reason"]
+    assert "timed out" in rec[4]["reason"] and rec[4]["result"] is None
+    pid1, pid2 = rec[1]["result"]["pid"], rec[8]["result"]["pid"]
+    assert pid1 != pid2  # restarted after the hung run was killed
+    assert {rec[c]["client_log"] for c in (1, 2, 4)} == {rec[1]["client_log"]}
+    assert "client2__" in rec[8]["client_log"] and (out / rec[8]["client_log"]).exists()
+    assert [("client_startup_s" in rec[c]) for c in (1, 2, 4, 8)] == [True, False, False, True]
+    for c in (1, 2, 4, 8):  # the records of the per-process mode, and each run's own log
+        r = rec[c]
+        assert r["client"] == "driver" and r["num_prompts"] == sv.num_prompts_for(c, 4, 8, 512)
+        assert r["complete"] is (r["status"] == "ok") and r["elapsed_s"] >= 0
+        assert r["command"].startswith(f"{sys.executable} ") and " bench serve " in r["command"]
+        text = (out / r["log"]).read_text()
+        assert text.startswith("# 20") and r["command"] in text.splitlines()[0]
+        assert text.count("fake bench serve") == 1 and f"fake bench serve c={c}\n" in text
+        assert (sv.DONE_MARK in text) is (c != 4)
+    # the client parsed exactly the recorded command (vLLM's CLI parser, seeds per run)
+    for c in (1, 8):
+        a = vllm_cli.parse_args(sv.shlex.split(rec[c]["command"])[2:])
+        seen = rec[c]["result"]["args"]
+        for k in seen:
+            if k != "request_id_prefix":
+                assert seen[k] == getattr(a, k), k
+        assert seen["seed"] == c and rec[c]["raw"].endswith(seen["result_filename"])
+    prefixes = {rec[c]["result"]["args"]["request_id_prefix"] for c in (1, 8)}
+    assert len(prefixes) == 2  # a new default per run, as in a new process
+    n = len(calls.read_text().splitlines())
+
+    monkeypatch.delenv("FAKE_FAIL_C")
+    monkeypatch.delenv("FAKE_HANG_C")
+    assert sv.main(argv) == 0  # resumes: c=2 and c=4 only, in one client
+    new = [ln for ln in calls.read_text().splitlines()[n:] if ln.startswith("bench")]
+    assert new == ["bench serve 2", "bench serve 4"]
+    again = _records(out, "fp16", [1, 2, 4, 8])
+    assert all(again[c]["status"] == "ok" for c in (1, 2, 4, 8))
+    assert again[2]["result"]["pid"] == again[4]["result"]["pid"]
+    assert again[1] == rec[1] and again[8] == rec[8]
+    assert "| fp16 | 100 | 200 | 400 | 800 |" in (out / "summary.md").read_text()
+
+
+def test_bench_client_that_cannot_start(fake, monkeypatch) -> None:
+    out, base, calls = fake
+    monkeypatch.setattr(sv, "BENCH_FN", "no_such_module:main")
+    assert sv.main(["serve", "--methods", "fp16", "--concurrency", "1,2"] + base) == 0
+    for r in _records(out, "fp16", [1, 2]).values():
+        assert r["status"] == "failed" and "bench client did not start" in r["reason"]
+        assert "ModuleNotFoundError" in r["reason"] and (out / r["log"]).exists()
+    assert not [ln for ln in calls.read_text().splitlines() if ln.startswith("bench")]
+
+
+def test_real_bench_serve_in_one_process_matches_per_process(fake, monkeypatch, tmp_path) -> None:
+    """vLLM's own bench serve (vllm.benchmarks.serve.main) against a fake OpenAI server: run
+    twice in one client process it sends the same prompts as two `vllm bench serve` processes."""
+    out, base, _ = fake
+    monkeypatch.setattr(sv, "BENCH_FN", "vllm.benchmarks.serve:main")
+    prompts = tmp_path / "prompts.jsonl"
+    monkeypatch.setenv("FAKE_PROMPTS", str(prompts))
+    argv = ["serve", "--methods", "fp16", "--concurrency", "1,2"] + base
+
+    def sent() -> dict[str, list[tuple[int, str]]]:  # request-id prefix (one per run) -> prompts
+        runs: dict[str, list[tuple[int, str]]] = {}
+        for ln in prompts.read_text().splitlines():
+            rid, max_tokens, digest = json.loads(ln)
+            runs.setdefault(rid.rsplit("-", 1)[0], []).append((max_tokens, digest))
+        prompts.unlink()
+        return {k: sorted(v) for k, v in runs.items()}
+
+    assert sv.main(argv) == 0
+    one = _records(out, "fp16", [1, 2])
+    in_process = sent()
+    monkeypatch.setenv("FAKE_REAL_BENCH", "1")  # the fake launcher execs vLLM's CLI
+    out2 = tmp_path / "out2"
+    argv = [out2.as_posix() if a == out.as_posix() else a for a in argv] + ["--client-per-run"]
+    assert sv.main(argv) == 0
+    two = _records(out2, "fp16", [1, 2])
+    per_process = sent()
+    assert len(in_process) == len(per_process) == 2  # a new request-id prefix per run
+    assert sorted(in_process.values()) == sorted(per_process.values())
+    assert len({tuple(v) for v in in_process.values()}) == 2  # --seed differs per run
+    for c in (1, 2):
+        assert one[c]["status"] == two[c]["status"] == "ok", (one[c]["reason"], two[c]["reason"])
+        assert one[c]["client"] == "driver" and two[c]["client"] == "per-run"
+        port_dir_session = r"--port \d+|/out2?/|__[^ ]*\.json"
+        assert sv.re.sub(port_dir_session, "", one[c]["command"]) == sv.re.sub(
+            port_dir_session, "", two[c]["command"])  # fmt: skip
+        r1, r2 = one[c]["result"], two[c]["result"]
+        assert r1["completed"] == r2["completed"] == sv.num_prompts_for(c, 4, 8, 512)
+        assert r1["total_input_tokens"] == r2["total_input_tokens"] > 0
+        assert r1["kbit_method"] == "fp16" and r1["max_concurrency"] == c
+
+
 def test_dry_run_prints_every_command(fake, capsys) -> None:
     out, base, calls = fake
     assert sv.main(["serve", "--dry-run", "--methods", "fp16,kbit3,gptq_marlin",
@@ -561,6 +729,12 @@ def test_dry_run_prints_every_command(fake, capsys) -> None:
     assert text.count(" serve /") == 3 and text.count("bench serve") == 6
     assert "setsid" in text and "--linear-backend marlin" in text and "estimated total" in text
     assert '"bits": 3' in text and "suggested split" in text
+    assert text.count(" _client fake_bench:main > ") == 3  # one client per method ...
+    assert "fake_vllm.py bench serve" not in text  # ... given the per-run arguments
+    assert sv.main(["serve", "--dry-run", "--methods", "fp16", "--concurrency", "1,8",
+                    "--client-per-run"] + base) == 0  # fmt: skip
+    text = capsys.readouterr().out  # ... or the full command of every run
+    assert "_client" not in text and text.count("fake_vllm.py bench serve ") == 2
     assert not out.exists() and calls.read_text() == ""
 
 
