@@ -588,6 +588,55 @@ def check_dummy_online(ctx) -> bool:
                 f"finite {finite}; load {res['load_s']} s")  # fmt: skip
 
 
+def check_lm_head(ctx) -> bool:
+    """quantize_lm_head: the dummy 8B loads ~0.72 GiB less with it (128256 x 4096 weights at
+    4.25 instead of 16 bits), and the tiny model's online k=5 with its lm_head quantized stays as
+    close to fp16 as check online_k5_vs_fp16 requires of the body alone."""
+    p = paths(Path(ctx.work))
+    qc = {"quant_method": "kbit", "bits": 4, "quantize_lm_head": True}
+    kw = dict(model=str(p["8b"]), load_format="dummy", quantization="kbit", enforce_eager=True,
+              max_model_len=512, max_num_seqs=16, skip_tokenizer_init=True, seed=0,
+              gpu_memory_utilization=0.5, hf_overrides={"quantization_config": qc})  # fmt: skip
+    prompts = [[(7 * i + 13 * j) % 1000 + 10 for j in range(16)] for i in range(4)]
+    gens = [{"name": "gen", "batches": [prompts], "max_tokens": 8, "logprobs": 1}]
+    res, err = run_llm("dummy8b_online_lm_head", kw, gens, ctx, ctx.dummy_timeout)
+    gib = re.findall(r"Model loading took ([0-9.]+) GiB",
+                     (Path(ctx.logs) / "dummy8b_online_lm_head.log").read_text(errors="replace"))
+    base = re.findall(r"Model loading took ([0-9.]+) GiB",
+                      (Path(ctx.logs) / "dummy8b_online.log").read_text(errors="replace")
+                      if (Path(ctx.logs) / "dummy8b_online.log").exists() else "")  # fmt: skip
+    if res is None or not gib:
+        return emit("lm_head", False, f"{err or 'no Model loading line'}")
+    gib_lm, gib_base = float(gib[-1]), float(base[-1]) if base else None
+    saved = None if gib_base is None else gib_base - gib_lm
+    finite = all(math.isfinite(lp) for o in res["gens"]["gen"] for st in o["top"] for _, lp in st)
+    first = [{"name": "first", "batches": [FIRST_PROMPTS], "max_tokens": 1, "logprobs": 5}]
+    fp_path = Path(ctx.work) / "fp16_eager.result.json"
+    if fp_path.exists():
+        fp = json.loads(fp_path.read_text())
+    else:
+        fp, err = run_llm("fp16_eager", tiny_llm_kw(p["fp16"]), first, ctx, ctx.llm_timeout)
+        if fp is None:
+            return emit("lm_head", False, err)
+    kw5 = tiny_llm_kw(p["fp16"], quantization="kbit", hf_overrides={"quantization_config": {
+        "quant_method": "kbit", "bits": 5, "quantize_lm_head": True}})  # fmt: skip
+    k5, err = run_llm("online_k5_lm_head_eager", kw5, first, ctx, ctx.llm_timeout)
+    if k5 is None:
+        return emit("lm_head", False, err)
+    ref, test = fp["gens"]["first"], k5["gens"]["first"]
+    n = len(ref)
+    top1 = sum(r["top"][0][0][0] == t["top"][0][0][0] for r, t in zip(ref, test))
+    mean_dlp = sum(abs(top1_lp(r) - top1_lp(t)) for r, t in zip(ref, test)) / n
+    passed = (finite and (saved is None or saved >= 0.6) and gib_lm < 6.4 and top1 >= n // 2
+              and mean_dlp <= 0.15)  # fmt: skip
+    return emit("lm_head", passed,
+                f"dummy 8B Model loading {gib_lm} GiB with the lm_head quantized (need < 6.4; "
+                f"without: {gib_base}, saved {saved if saved is None else round(saved, 2)} GiB, "
+                f"need >= 0.6 when known); logprobs finite {finite}; tiny k=5 + lm_head vs fp16: "
+                f"top-1 agree {top1}/{n} (need >= {n // 2}), mean |dlogprob top-1| {mean_dlp:.4f} "
+                f"(need <= 0.15)")  # fmt: skip
+
+
 def _post(url: str, body: dict, timeout: float = 60) -> dict:
     import urllib.request
 
@@ -743,7 +792,7 @@ def check_tp2(ctx, which: str) -> bool:
 
 CHECKS = {"prequant_greedy": check_prequant_greedy, "online_k5_vs_fp16": check_online_k5,
           "compiled_graphs": check_compiled, "dummy_online": check_dummy_online,
-          "serve_openai": check_serve, "moe_qwen3": lambda ctx: check_moe(ctx, "qwen3"),
+          "serve_openai": check_serve, "lm_head": check_lm_head, "moe_qwen3": lambda ctx: check_moe(ctx, "qwen3"),
           "moe_mixtral": lambda ctx: check_moe(ctx, "mixtral"),
           "moe_compiled": check_moe_compiled, "tp2_dense": lambda ctx: check_tp2(ctx, "dense"),
           "tp2_moe": lambda ctx: check_tp2(ctx, "moe")}  # fmt: skip

@@ -2,6 +2,7 @@
 # End-to-end vLLM checks of the kbit plugin on the GPU machine (after vLLM is installed,
 # `. /opt/vsite/env.sh` and `pip install -e .` done by the caller). From the repo root:
 #   bash tools/gpu_e2e.sh [CHECK...]      (default: the five dense checks, in order)
+#   bash tools/gpu_e2e.sh lm_head           (quantize_lm_head: after dummy_online; ~3 engine starts)
 #   bash tools/gpu_e2e.sh moe_qwen3         (MoE checks, one per call: each takes minutes;
 #   bash tools/gpu_e2e.sh moe_mixtral        moe_compiled needs the CUDA kbit::moe kernel)
 #   bash tools/gpu_e2e.sh moe_compiled
@@ -17,7 +18,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0}
 LOG=$OUT/e2e.log; : > "$LOG"
 checks=("$@"); [ ${#checks[@]} -eq 0 ] && checks=(prequant_greedy online_k5_vs_fp16 compiled_graphs dummy_online serve_openai)
-declare -A T=([prequant_greedy]=330 [online_k5_vs_fp16]=330 [compiled_graphs]=270 [dummy_online]=230 [serve_openai]=230
+declare -A T=([prequant_greedy]=330 [online_k5_vs_fp16]=330 [compiled_graphs]=270 [dummy_online]=230 [serve_openai]=230 [lm_head]=400
               [moe_qwen3]=540 [moe_mixtral]=480 [moe_compiled]=480
               [tp2_dense]=540 [tp2_moe]=540)
 DEADLINE=${E2E_DEADLINE:-560}  # s for the whole driver (the caller's command has ~600 s)
