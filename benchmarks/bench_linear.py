@@ -34,11 +34,13 @@ import int4_baselines as i4
 import torch
 from shapes import MODEL_NAMES, MODELS, Shape, model_shapes, parse_shapes, weight_bytes
 from timing import (
+    Timing,
     copies_needed,
     l2_cache_bytes,
     reps_for,
     run_metadata,
     time_calls,
+    time_interleaved,
 )
 
 KBIT_PATHS = ("gemv", "mma", "dequant", "linear")  # "dequant" = dequantize_tiled + matmul
@@ -89,6 +91,7 @@ class Config:
     l2_bytes: int | None = None  # override of the queried L2 size
     use_graph: bool = True
     reverse_paths: bool = False  # time linear first (tests for an order effect on clocks)
+    interleave: bool = False  # time the kbit paths of a (shape, k, M) in rotating rounds
     wgmma: bool = False  # also time kbit::mma's wgmma variant as the path "mma_wg"
     time_budget_s: float = 420.0
     vllm_ops_lib: str | None = None
@@ -153,6 +156,9 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     add("--no-graph", dest="use_graph", action="store_false", help="time eager calls")
     add("--reverse-paths", action="store_true",
         help="time the kbit paths in reverse order (linear, dequant, mma, gemv)")
+    add("--interleave", action="store_true",
+        help="time the kbit paths of each shape, k and M together, in rounds that replay each\n"
+             "path once (first path rotating), instead of one path after the other")
     add("--wgmma", action="store_true",
         help="time kbit::mma's wgmma variant (KBIT_MMA_WGMMA=1, sm_90a builds) as path mma_wg, M > 32,\n"
              "and its mma.sync variant alone (KBIT_MMA_WGMMA=0) as path mma")
@@ -345,12 +351,36 @@ def new_point(sh: Shape, method: str, bits: int | None, m: int, **kw: object) ->
     return Point(sh.model, sh.name, sh.n, sh.k, bits, method, m, weight_bytes=wb, **kw)  # type: ignore[arg-type]
 
 
+def _timing_kw(run: Run) -> dict[str, object]:
+    c = run.cfg
+    return dict(warmup=c.warmup, min_reps=c.min_reps, max_reps=c.max_reps,
+                target_s=c.target_ms / 1e3, use_graph=c.use_graph, cuda=run.dev.type == "cuda")  # fmt: skip
+
+
 def measure(run: Run, sh: Shape, method: str, bits: int | None, m: int,
             fns: list[Callable[[], object]]) -> Point:  # fmt: skip
-    c = run.cfg
-    t, why = attempt(run, lambda: time_calls(
-        fns, warmup=c.warmup, min_reps=c.min_reps, max_reps=c.max_reps, target_s=c.target_ms / 1e3,
-        use_graph=c.use_graph, cuda=run.dev.type == "cuda"))  # fmt: skip
+    t, why = attempt(run, lambda: time_calls(fns, **_timing_kw(run)))
+    return record(run, sh, method, bits, m, t, why)
+
+
+def measure_interleaved(run: Run, sh: Shape, bits: int, m: int,
+                        groups: dict[str, list[Callable[[], object]]]) -> list[Point]:  # fmt: skip
+    """--interleave: the kbit paths of one (shape, k, M) timed in rotating rounds."""
+    res, why = attempt(run, lambda: time_interleaved(groups, **_timing_kw(run)))
+    points = []
+    for path in groups:
+        t = None if res is None else res.get(path)
+        if isinstance(t, Exception):
+            _check_alive(run, t)
+            t, why_p = None, _short(t)
+        else:
+            why_p = why
+        points.append(record(run, sh, path, bits, m, t, why_p))
+    return points
+
+
+def record(run: Run, sh: Shape, method: str, bits: int | None, m: int, t: Timing | None,
+           why: str) -> Point:  # fmt: skip
     p = new_point(sh, method, bits, m)
     if t is None:
         p.status = f"n/a: {why}"
@@ -570,9 +600,15 @@ def run_kbit(run: Run, sh: Shape, bits: int, w: torch.Tensor) -> None:
         x = torch.randn(m, sh.k, device=run.dev, dtype=run.act)
         cells = []
         paths = kbit_paths(run.cfg, m)
-        for path in reversed(paths) if run.cfg.reverse_paths else paths:
-            fns = [kbit_fn(path, x, q, a, cb, bits, sh.n, run.cfg.wgmma) for q, a in copies]
-            cells.append(f"{path} {_cell(measure(run, sh, path, bits, m, fns))}")
+        paths = list(reversed(paths)) if run.cfg.reverse_paths else paths
+        groups = {p: [kbit_fn(p, x, q, a, cb, bits, sh.n, run.cfg.wgmma) for q, a in copies]
+                  for p in paths}  # fmt: skip
+        if run.cfg.interleave:
+            for path, pt in zip(paths, measure_interleaved(run, sh, bits, m, groups)):
+                cells.append(f"{path} {_cell(pt)}")
+        else:
+            for path in paths:
+                cells.append(f"{path} {_cell(measure(run, sh, path, bits, m, groups[path]))}")
         run.log(f"{sh.label:<12} k={bits}  M={m:<5} " + "  ".join(cells) + f" us  (R={R})")
     del copies, qt, at
     _free(run)

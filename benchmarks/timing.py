@@ -176,6 +176,84 @@ def time_calls(
     return Timing(us, calls, reps, "events" if cuda else "wall", note, _round(samples))
 
 
+def time_interleaved(
+    groups: dict[str, Sequence[Callable[[], object]]],
+    *,
+    warmup: int = 3,
+    min_reps: int = 10,
+    max_reps: int = 200,
+    target_s: float = 0.02,
+    use_graph: bool = True,
+    cuda: bool | None = None,
+) -> dict[str, Timing | Exception]:
+    """time_calls for several paths at once, in rounds: every round replays each path once, the
+    first path of a round rotating, so that clock, power and cache drift during the measurement
+    fall on all paths alike instead of on whichever is timed first (the order effect seen in
+    bench_linear_h100__s3_reverse / __s4). Each path's rotation through its weight copies is one
+    graph, as in time_calls. A path whose first calls raise gets its exception, the others are
+    still timed. All rounds use the same replay count, sized by the slowest path."""
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    out: dict[str, Timing | Exception] = {}
+    runners: dict[str, tuple[Callable[[], object], str, str]] = {}  # run, method, note
+    for name, fns in groups.items():
+        if not fns:
+            out[name] = ValueError(f"{name}: no callables")
+            continue
+        try:
+            for f in fns:
+                f()
+            _sync()
+        except Exception as e:  # noqa: BLE001  (reported by the caller)
+            out[name] = e
+            continue
+        eager = (lambda fs: lambda: [f() for f in fs])(list(fns))
+        note = "" if use_graph or not cuda else "graphs disabled (--no-graph)"
+        if cuda and use_graph:
+            try:
+                g = _capture(fns)
+                runners[name] = (g.replay, "graph", "")
+                continue
+            except Exception as e:  # noqa: BLE001  (timed without a graph)
+                _sync()
+                note = f"graph capture failed: {type(e).__name__}: {str(e).strip()[:160]}"
+        runners[name] = (eager, "events" if cuda else "wall", note)
+    if not runners:
+        return out
+    slowest = 0.0
+    for run, _, _ in runners.values():
+        for _ in range(warmup):
+            run()
+        _sync()
+        t0 = time.perf_counter()
+        run()
+        _sync()
+        slowest = max(slowest, time.perf_counter() - t0)
+    reps = reps_for(slowest, min_reps, max_reps, target_s)
+    names = list(runners)
+    samples: dict[str, list] = {n: [] for n in names}
+    for r in range(reps):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            run = runners[name][0]
+            if cuda:
+                ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                ev[0].record()
+                run()
+                ev[1].record()
+                samples[name].append(ev)
+            else:
+                t0 = time.perf_counter()
+                run()
+                samples[name].append(time.perf_counter() - t0)
+    _sync()
+    for name in names:
+        calls = len(groups[name])
+        us = [s.elapsed_time(e) * 1e3 / calls for s, e in samples[name]] if cuda else [
+            t * 1e6 / calls for t in samples[name]]  # fmt: skip
+        _, method, note = runners[name]
+        out[name] = Timing(statistics.median(us), calls, reps, method, note, _round(us))
+    return out
+
+
 def _round(xs: list[float]) -> list[float]:
     return [round(x, 3) for x in xs]
 

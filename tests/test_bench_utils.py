@@ -429,6 +429,39 @@ def test_main_cpu_wgmma_path(tmp_path: Path) -> None:
     assert "KBIT_MMA_WGMMA" not in os.environ
 
 
+def test_time_interleaved_rounds_and_failures() -> None:
+    # every path runs once per round, the first path rotating; a path whose calls raise gets
+    # its exception and the others are still timed
+    order: list[str] = []
+
+    def fn(name: str):
+        return lambda: order.append(name)
+
+    def broken() -> None:
+        raise RuntimeError("boom")
+
+    groups = {"a": [fn("a"), fn("a")], "b": [fn("b")], "bad": [broken]}
+    res = timing.time_interleaved(groups, warmup=0, min_reps=3, max_reps=3, cuda=False)
+    assert isinstance(res["bad"], RuntimeError)
+    for name, calls in (("a", 2), ("b", 1)):
+        t = res[name]
+        assert isinstance(t, timing.Timing) and t.method == "wall" and t.calls == calls
+        assert t.reps == 3 and len(t.samples_us) == 3 and t.us > 0
+    rounds = order[-9:]  # 3 rounds of (a, a, b) / (b, a, a) / (a, a, b): a's two copies per replay
+    assert rounds == ["a", "a", "b", "b", "a", "a", "a", "a", "b"]
+
+
+def test_main_cpu_interleave(tmp_path: Path) -> None:
+    argv = ["--device", "cpu", "--shapes", "t.a:16x256", "--bits", "4", "--m", "1,16",
+            "--baselines", "none", "--min-reps", "2", "--max-reps", "2", "--warmup", "0",
+            "--interleave", "--out-dir", str(tmp_path)]  # fmt: skip
+    assert bl.main(argv) == 0
+    doc = json.loads((tmp_path / "bench_linear_cpu.json").read_text())
+    by = {(p["method"], p["m"]): p for p in doc["points"]}
+    for key in [("gemv", 1), ("mma", 1), ("dequant", 1), ("linear", 1), ("mma", 16)]:
+        assert by[key]["status"] == "ok" and by[key]["reps"] == 2 and by[key]["us"] > 0, key
+
+
 def test_main_cpu_check_only_and_dry_run(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     argv = ["--device", "cpu", "--shapes", "t.a:32x256", "--bits", "3", "--check-only",
             "--out-dir", str(tmp_path)]  # fmt: skip
