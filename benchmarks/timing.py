@@ -129,6 +129,33 @@ def _time_replays(
     return statistics.median(samples), reps, samples
 
 
+def _runner(fns: Sequence[Callable[[], object]], use_graph: bool,
+            cuda: bool) -> tuple[Callable[[], object], str, str]:  # fmt: skip
+    """(run one rotation, timing method, note) for ``fns``: every call runs once eagerly first,
+    outside any try (an op that fails raises here, for the caller to report), then the rotation
+    is captured in a CUDA graph; should capture fail, it runs as eager calls between events."""
+    if not fns:
+        raise ValueError("timing needs at least one callable")
+    for f in fns:  # validates every call and warms caches/handles
+        f()
+    _sync()
+
+    def eager() -> None:
+        for f in fns:
+            f()
+
+    if not cuda:
+        return eager, "wall", ""
+    if not use_graph:
+        return eager, "events", "graphs disabled (--no-graph)"
+    try:
+        return _capture(fns).replay, "graph", ""
+    except Exception as e:  # noqa: BLE001  (reported, then timed without a graph)
+        _sync()  # a broken context raises here, which the caller treats as fatal
+        first = (str(e).strip().splitlines() or [""])[0][:160]
+        return eager, "events", f"graph capture failed: {type(e).__name__}: {first}"
+
+
 def time_calls(
     fns: Sequence[Callable[[], object]],
     *,
@@ -139,41 +166,13 @@ def time_calls(
     use_graph: bool = True,
     cuda: bool | None = None,
 ) -> Timing:
-    """Median time of one call, rotating through ``fns`` (one closure per weight copy).
-
-    The first eager call of every closure runs outside any try: an op that fails raises
-    here, for the caller to report. Graph capture failure falls back to eager events.
-    ``cuda=False`` times with the wall clock (CPU tensors).
-    """
-    if not fns:
-        raise ValueError("time_calls needs at least one callable")
+    """Median time of one call, rotating through ``fns`` (one closure per weight copy); see
+    _runner for the eager first calls and the graph. ``cuda=False`` times with the wall clock
+    (CPU tensors)."""
     cuda = torch.cuda.is_available() if cuda is None else cuda
-    for f in fns:  # validates every call and warms caches/handles
-        f()
-    _sync()
-    calls, note = len(fns), ""
-
-    def eager() -> None:
-        for f in fns:
-            f()
-
-    if cuda and use_graph:
-        try:
-            g = _capture(fns)
-        except Exception as e:  # noqa: BLE001  (reported, then timed without a graph)
-            _sync()  # a broken context raises here, which the caller treats as fatal
-            first = (str(e).strip().splitlines() or [""])[0][:160]
-            note = f"graph capture failed: {type(e).__name__}: {first}"
-        else:
-            us, reps, samples = _time_replays(
-                g.replay, calls, warmup, min_reps, max_reps, target_s, cuda
-            )
-            del g
-            return Timing(us, calls, reps, "graph", "", _round(samples))
-    elif cuda:
-        note = "graphs disabled (--no-graph)"
-    us, reps, samples = _time_replays(eager, calls, warmup, min_reps, max_reps, target_s, cuda)
-    return Timing(us, calls, reps, "events" if cuda else "wall", note, _round(samples))
+    run, method, note = _runner(fns, use_graph, cuda)
+    us, reps, samples = _time_replays(run, len(fns), warmup, min_reps, max_reps, target_s, cuda)
+    return Timing(us, len(fns), reps, method, note, _round(samples))
 
 
 def time_interleaved(
@@ -189,34 +188,16 @@ def time_interleaved(
     """time_calls for several paths at once, in rounds: every round replays each path once, the
     first path of a round rotating, so that clock, power and cache drift during the measurement
     fall on all paths alike instead of on whichever is timed first (the order effect seen in
-    bench_linear_h100__s3_reverse / __s4). Each path's rotation through its weight copies is one
-    graph, as in time_calls. A path whose first calls raise gets its exception, the others are
-    still timed. All rounds use the same replay count, sized by the slowest path."""
+    bench_linear_h100__s3_reverse / __s4). A path whose first calls raise gets its exception, the
+    others are still timed. All rounds use the same replay count, sized by the slowest path."""
     cuda = torch.cuda.is_available() if cuda is None else cuda
     out: dict[str, Timing | Exception] = {}
-    runners: dict[str, tuple[Callable[[], object], str, str]] = {}  # run, method, note
+    runners: dict[str, tuple[Callable[[], object], str, str]] = {}
     for name, fns in groups.items():
-        if not fns:
-            out[name] = ValueError(f"{name}: no callables")
-            continue
         try:
-            for f in fns:
-                f()
-            _sync()
+            runners[name] = _runner(fns, use_graph, cuda)
         except Exception as e:  # noqa: BLE001  (reported by the caller)
             out[name] = e
-            continue
-        eager = (lambda fs: lambda: [f() for f in fs])(list(fns))
-        note = "" if use_graph or not cuda else "graphs disabled (--no-graph)"
-        if cuda and use_graph:
-            try:
-                g = _capture(fns)
-                runners[name] = (g.replay, "graph", "")
-                continue
-            except Exception as e:  # noqa: BLE001  (timed without a graph)
-                _sync()
-                note = f"graph capture failed: {type(e).__name__}: {str(e).strip()[:160]}"
-        runners[name] = (eager, "events" if cuda else "wall", note)
     if not runners:
         return out
     slowest = 0.0

@@ -485,6 +485,14 @@ def top1_lp(r: dict, step: int = 0) -> float:
     return r["top"][step][0][1]
 
 
+def first_token_agreement(ref: list[dict], test: list[dict]) -> tuple[int, int, int, list[float]]:
+    """(prompts, same top-1, ref top-1 within test's top-5, |dlogprob top-1| per prompt) of the
+    first generated token."""
+    top1 = sum(r["top"][0][0][0] == t["top"][0][0][0] for r, t in zip(ref, test))
+    in5 = sum(r["top"][0][0][0] in [x for x, _ in t["top"][0][:5]] for r, t in zip(ref, test))
+    return len(ref), top1, in5, [abs(top1_lp(r) - top1_lp(t)) for r, t in zip(ref, test)]
+
+
 def emit(name: str, ok: bool, details: str) -> bool:
     print(f"E2E {name} {'PASS' if ok else 'FAIL'} {details}", flush=True)
     return ok
@@ -526,10 +534,7 @@ def check_online_k5(ctx) -> bool:
     if k5 is None:
         return emit("online_k5_vs_fp16", False, err)
     ref, test = fp["gens"]["first"], k5["gens"]["first"]
-    n = len(ref)
-    top1 = sum(r["top"][0][0][0] == t["top"][0][0][0] for r, t in zip(ref, test))
-    in5 = sum(r["top"][0][0][0] in [x for x, _ in t["top"][0][:5]] for r, t in zip(ref, test))
-    dlp = [abs(top1_lp(r) - top1_lp(t)) for r, t in zip(ref, test)]
+    n, top1, in5, dlp = first_token_agreement(ref, test)
     mean_dlp = sum(dlp) / n
     first16 = sum(r["top"][0][0][0] == t["top"][0][0][0] for r, t in zip(ref[:16], test[:16]))
     passed = top1 >= n // 2 and in5 >= n - 4 and mean_dlp <= 0.15
@@ -623,10 +628,8 @@ def check_lm_head(ctx) -> bool:
     k5, err = run_llm("online_k5_lm_head_eager", kw5, first, ctx, ctx.llm_timeout)
     if k5 is None:
         return emit("lm_head", False, err)
-    ref, test = fp["gens"]["first"], k5["gens"]["first"]
-    n = len(ref)
-    top1 = sum(r["top"][0][0][0] == t["top"][0][0][0] for r, t in zip(ref, test))
-    mean_dlp = sum(abs(top1_lp(r) - top1_lp(t)) for r, t in zip(ref, test)) / n
+    n, top1, _, dlp = first_token_agreement(fp["gens"]["first"], k5["gens"]["first"])
+    mean_dlp = sum(dlp) / n
     passed = (finite and (saved is None or saved >= 0.6) and gib_lm < 6.4 and top1 >= n // 2
               and mean_dlp <= 0.15)  # fmt: skip
     return emit("lm_head", passed,
