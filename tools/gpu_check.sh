@@ -35,4 +35,6 @@ if [ "${BENCH:-0}" = 1 ]; then
     --time-budget-s ${BUDGET:-300} ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1; echo "bench rc=$? $((SECONDS - T0))s"
   tail -22 "$OUT/bench.log"
 fi
+# (a process stuck in that allocation may keep the call from returning anyway: say so first)
+kill -0 $PREWARM 2>/dev/null && echo "prewarm still running at $((SECONDS - T0))s: $(tr '\n' ' ' < "$OUT/prewarm.log")"
 wait $PREWARM; echo "prewarm rc=$? $((SECONDS - T0))s"; grep PREWARM "$OUT/prewarm.log" | tr '\n' ' '; echo
