@@ -93,42 +93,6 @@ def _capture(fns: Sequence[Callable[[], object]]) -> torch.cuda.CUDAGraph:
     return g
 
 
-def _time_replays(
-    run: Callable[[], object],
-    calls: int,
-    warmup: int,
-    min_reps: int,
-    max_reps: int,
-    target_s: float,
-    cuda: bool,
-) -> tuple[float, int, list[float]]:
-    for _ in range(warmup):
-        run()
-    _sync()
-    t0 = time.perf_counter()
-    run()
-    _sync()
-    reps = reps_for(time.perf_counter() - t0, min_reps, max_reps, target_s)
-    if cuda:
-        ev = [
-            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            for _ in range(reps)
-        ]
-        for start, end in ev:
-            start.record()
-            run()
-            end.record()
-        torch.cuda.synchronize()
-        samples = [s.elapsed_time(e) * 1e3 / calls for s, e in ev]
-    else:
-        samples = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            run()
-            samples.append((time.perf_counter() - t0) * 1e6 / calls)
-    return statistics.median(samples), reps, samples
-
-
 def _runner(fns: Sequence[Callable[[], object]], use_graph: bool,
             cuda: bool) -> tuple[Callable[[], object], str, str]:  # fmt: skip
     """(run one rotation, timing method, note) for ``fns``: every call runs once eagerly first,
@@ -169,10 +133,11 @@ def time_calls(
     """Median time of one call, rotating through ``fns`` (one closure per weight copy); see
     _runner for the eager first calls and the graph. ``cuda=False`` times with the wall clock
     (CPU tensors)."""
-    cuda = torch.cuda.is_available() if cuda is None else cuda
-    run, method, note = _runner(fns, use_graph, cuda)
-    us, reps, samples = _time_replays(run, len(fns), warmup, min_reps, max_reps, target_s, cuda)
-    return Timing(us, len(fns), reps, method, note, _round(samples))
+    t = time_interleaved({"": fns}, warmup=warmup, min_reps=min_reps, max_reps=max_reps,
+                         target_s=target_s, use_graph=use_graph, cuda=cuda)[""]  # fmt: skip
+    if isinstance(t, Exception):
+        raise t
+    return t
 
 
 def time_interleaved(
@@ -185,11 +150,12 @@ def time_interleaved(
     use_graph: bool = True,
     cuda: bool | None = None,
 ) -> dict[str, Timing | Exception]:
-    """time_calls for several paths at once, in rounds: every round replays each path once, the
-    first path of a round rotating, so that clock, power and cache drift during the measurement
-    fall on all paths alike instead of on whichever is timed first (the order effect seen in
-    bench_linear_h100__s3_reverse / __s4). A path whose first calls raise gets its exception, the
-    others are still timed. All rounds use the same replay count, sized by the slowest path."""
+    """time_calls for several paths at once (time_calls is the one-path case). After the warm-up
+    replays and one untimed replay per path (the slowest sizes the replay count), the timed
+    replays run in rounds: every round replays each path once, the first path of a round
+    rotating, so that clock, power and cache drift fall on all paths alike instead of on
+    whichever is timed first (the order effect seen in bench_linear_h100__s3_reverse / __s4).
+    A path whose first calls raise gets its exception; the others are still timed."""
     cuda = torch.cuda.is_available() if cuda is None else cuda
     out: dict[str, Timing | Exception] = {}
     runners: dict[str, tuple[Callable[[], object], str, str]] = {}

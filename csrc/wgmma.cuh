@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// Hopper warpgroup MMA (wgmma.mma_async, sm_90a) for the fused-dequant MMA kernel (mma.cu, opt-in
-// with KBIT_MMA_WGMMA=1 while it is being measured; design: docs/wgmma-plan.md).
+// Hopper warpgroup MMA (wgmma.mma_async, sm_90a) for the fused-dequant MMA kernel (mma.cu, taken
+// by shape, see use_wgmma; KBIT_MMA_WGMMA=0/1 overrides; design: docs/wgmma-plan.md).
 //  * A = the dequantized weights, from registers: for m64nNk16 each warp of the warpgroup supplies
 //    the mma.m16n8k16 A fragment of its own 16 rows, which is what frag::tile_step already builds.
 //  * B = the x tile in shared memory, K-major without swizzle: 8x8 core matrices of 128 contiguous
