@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <type_traits>
 
 #include <c10/cuda/CUDAException.h>
 
@@ -194,6 +195,50 @@ __device__ __forceinline__ void build_pair_table(uint8_t* tbl, const uint16_t* c
     }
 }
 
+// This lane's share of one weight tile in one k-tile: its 8 bytes of each bit plane (one
+// coalesced 8-byte load per plane) and the absmax half2 pairs of its rows g and g + 8.
+template <int BITS, bool BF16>
+__device__ __forceinline__ void load_tile_frag(uint2 (&planes)[BITS], uint32_t (&sc)[2][2],
+                                               const uint8_t* planes_s, const uint8_t* absmax_s,
+                                               int lane) {
+#pragma unroll
+    for (int j = 0; j < BITS; ++j)
+        planes[j] = *reinterpret_cast<const uint2*>(planes_s + j * 256 + lane * 8);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // rows g and g + 8: 4 bytes each (quad broadcast)
+        const uint32_t a = *reinterpret_cast<const uint32_t*>(absmax_s + h * 32 + (lane >> 2) * 4);
+        sc[h][0] = absmax_pair<BF16>(a, 0);  // [row half h][blocks (0,2) | (1,3)]
+        sc[h][1] = absmax_pair<BF16>(a, 1);
+    }
+}
+
+// Index words of plane word w (blocks 2w, 2w + 1) of a tile's planes (index_words).
+template <int BITS>
+__device__ __forceinline__ void tile_index_words(uint32_t (&iw)[5], const uint2 (&planes)[BITS],
+                                                 int w) {
+    uint32_t pl[BITS];
+#pragma unroll
+    for (int j = 0; j < BITS; ++j) pl[j] = w ? planes[j].y : planes[j].x;
+    index_words<BITS>(iw, pl);
+}
+
+// The 4 A registers of k16 step kk (columns 16 kk .. 16 kk + 15 of the k-tile) of one tile,
+// {row g, row g+8} x {cols 2t.., cols 2t+8..}: the mma.m16n8k16 A fragment, and the warp's slice
+// of a wgmma m64 A operand. iw = the index words of plane word kk / 4; one table load and one
+// HMUL2 per register.
+template <int BITS, bool BF16>
+__device__ __forceinline__ void step_regs(uint32_t (&a)[4], const uint32_t (&iw)[5],
+                                          const uint32_t (&sc)[2][2], int kk, uint32_t tbl_lane,
+                                          uint32_t stride) {
+    const int w = kk >> 2, b2 = (kk >> 1) & 1, s = kk & 1;  // block 2w + b2 = bytes q = 2 b2 + h
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+        const int p = 2 * s + (r >> 1), h = r & 1;
+        const uint32_t v = lds32(pair_addr<BITS>(iw, p, 2 * b2 + h, tbl_lane, stride));
+        a[r] = mul_scale<BF16>(v, sc[h][b2], w);
+    }
+}
+
 // One k-tile (128 columns) of one warp owning NT consecutive 16-row tiles and TM tokens:
 // NT x 8 k16 steps x TM/8 token fragments into acc.
 //   planes_s: this warp's first tile's bit planes in shared memory (tile i at + i * BITS * 256);
@@ -210,19 +255,9 @@ __device__ __forceinline__ void tile_step(float (&acc)[NT][TM / 8][4], const uin
     uint2 planes[NT][BITS];  // this lane's 8 bytes of each plane: one coalesced 8-byte load
     uint32_t sc[NT][2][2];   // [tile][row half h][blocks (0,2) | (1,3)] absmax half2 pairs
 #pragma unroll
-    for (int i = 0; i < NT; ++i) {
-#pragma unroll
-        for (int j = 0; j < BITS; ++j)
-            planes[i][j] =
-                *reinterpret_cast<const uint2*>(planes_s + (i * BITS + j) * 256 + lane * 8);
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {  // rows g and g + 8: 4 bytes each (quad broadcast)
-            const uint32_t a =
-                *reinterpret_cast<const uint32_t*>(absmax_s + i * 64 + h * 32 + (lane >> 2) * 4);
-            sc[i][h][0] = absmax_pair<BF16>(a, 0);
-            sc[i][h][1] = absmax_pair<BF16>(a, 1);
-        }
-    }
+    for (int i = 0; i < NT; ++i)
+        load_tile_frag<BITS, BF16>(planes[i], sc[i], planes_s + i * BITS * 256, absmax_s + i * 64,
+                                   lane);
     // WG: two sets of A registers. Step kk's wgmma runs asynchronously while step kk + 1's
     // fragments are dequantized into the other set; a set is rewritten only after the wait that
     // retires the wgmma reading it (wait_group 1 right after the next step's commit).
@@ -231,29 +266,16 @@ __device__ __forceinline__ void tile_step(float (&acc)[NT][TM / 8][4], const uin
     for (int w = 0; w < 2; ++w) {  // plane word w = blocks 2w, 2w + 1
         uint32_t iw[NT][5];
 #pragma unroll
-        for (int i = 0; i < NT; ++i) {
-            uint32_t pl[BITS];
-#pragma unroll
-            for (int j = 0; j < BITS; ++j) pl[j] = w ? planes[i][j].y : planes[i][j].x;
-            index_words<BITS>(iw[i], pl);
-        }
+        for (int i = 0; i < NT; ++i) tile_index_words<BITS>(iw[i], planes[i], w);
 #pragma unroll
         for (int b2 = 0; b2 < 2; ++b2) {  // block 2w + b2 = bytes q = 2 b2 + h
 #pragma unroll
             for (int s = 0; s < 2; ++s) {  // k16 step kk: columns 16 kk .. 16 kk + 15 of the tile
                 const int kk = 4 * w + 2 * b2 + s;
-                // A registers: {row g, row g+8} x {cols 2t.., cols 2t+8..}
                 uint32_t(&a)[NT][4] = abuf[WG ? (kk & 1) : 0];
 #pragma unroll
-                for (int i = 0; i < NT; ++i) {
-#pragma unroll
-                    for (int r = 0; r < 4; ++r) {
-                        const int p = 2 * s + (r >> 1), h = r & 1;
-                        const uint32_t v =
-                            lds32(pair_addr<BITS>(iw[i], p, 2 * b2 + h, tbl_lane, stride));
-                        a[i][r] = mul_scale<BF16>(v, sc[i][h][b2], w);
-                    }
-                }
+                for (int i = 0; i < NT; ++i)
+                    step_regs<BITS, BF16>(a[i], iw[i], sc[i], kk, tbl_lane, stride);
                 if constexpr (WG) {
                     wg_fence();
 #pragma unroll
@@ -340,6 +362,52 @@ __device__ __forceinline__ float4 cluster_sum4(uint32_t local_addr, int splits) 
     return v;
 }
 #endif
+
+// ------------------------------------------------------- epilogue (mma.cu, wgmma_gemm.cu)
+
+// 4 consecutive outputs (columns col..col+3 of token row `row`) in y's dtype.
+template <bool BF16>
+__device__ __forceinline__ void store_y(void* y, int row, int col, int n, float4 v) {
+    if (col >= n) return;
+    const uint2 o = make_uint2(pack2<BF16>(v.x, v.y), pack2<BF16>(v.z, v.w));
+    uint16_t* dst = reinterpret_cast<uint16_t*>(y) + static_cast<int64_t>(row) * n + col;
+    if ((n & 3) == 0) {  // 8-byte aligned: col % 4 == 0 and row * n % 4 == 0
+        *reinterpret_cast<uint2*>(dst) = o;
+    } else {
+        dst[0] = static_cast<uint16_t>(o.x);
+        if (col + 1 < n) dst[1] = static_cast<uint16_t>(o.x >> 16);
+        if (col + 2 < n) dst[2] = static_cast<uint16_t>(o.y);
+        if (col + 3 < n) dst[3] = static_cast<uint16_t>(o.y >> 16);
+    }
+}
+
+__device__ __forceinline__ void store_ws(float* ws, int row, int col, int n, float4 v) {
+    if (col >= n) return;
+    float* dst = ws + static_cast<int64_t>(row) * n + col;
+    if ((n & 3) == 0) {
+        *reinterpret_cast<float4*>(dst) = v;
+    } else {
+        dst[0] = v.x;
+        if (col + 1 < n) dst[1] = v.y;
+        if (col + 2 < n) dst[2] = v.z;
+        if (col + 3 < n) dst[3] = v.w;
+    }
+}
+
+// y = sum over splits of ws[s] (fixed order: deterministic), cast to y's dtype.
+template <bool BF16>
+__global__ void __launch_bounds__(256) splitk_reduce_kernel(const float* __restrict__ ws,
+                                                            void* __restrict__ y, int64_t count,
+                                                            int splits) {
+    using T = std::conditional_t<BF16, __nv_bfloat16, __half>;
+    const int64_t step = gridDim.x * int64_t{256};
+    for (int64_t i = blockIdx.x * int64_t{256} + threadIdx.x; i < count; i += step) {
+        float v = 0.f;
+        for (int s = 0; s < splits; ++s) v += ws[s * count + i];
+        if constexpr (BF16) reinterpret_cast<T*>(y)[i] = __float2bfloat16_rn(v);
+        else reinterpret_cast<T*>(y)[i] = __float2half_rn(v);
+    }
+}
 
 // ------------------------------------------------------------------- host (mma.cu, moe.cu)
 

@@ -55,38 +55,6 @@ struct Params {
 };
 
 
-// ------------------------------------------------------------------------ device helpers
-
-// 4 consecutive outputs (columns col..col+3 of token row `row`) in y's dtype.
-template <bool BF16>
-__device__ __forceinline__ void store_y(void* y, int row, int col, int n, float4 v) {
-    if (col >= n) return;
-    const uint2 o = make_uint2(pack2<BF16>(v.x, v.y), pack2<BF16>(v.z, v.w));
-    uint16_t* dst = reinterpret_cast<uint16_t*>(y) + static_cast<int64_t>(row) * n + col;
-    if ((n & 3) == 0) {  // 8-byte aligned: col % 4 == 0 and row * n % 4 == 0
-        *reinterpret_cast<uint2*>(dst) = o;
-    } else {
-        dst[0] = static_cast<uint16_t>(o.x);
-        if (col + 1 < n) dst[1] = static_cast<uint16_t>(o.x >> 16);
-        if (col + 2 < n) dst[2] = static_cast<uint16_t>(o.y);
-        if (col + 3 < n) dst[3] = static_cast<uint16_t>(o.y >> 16);
-    }
-}
-
-__device__ __forceinline__ void store_ws(float* ws, int row, int col, int n, float4 v) {
-    if (col >= n) return;
-    float* dst = ws + static_cast<int64_t>(row) * n + col;
-    if ((n & 3) == 0) {
-        *reinterpret_cast<float4*>(dst) = v;
-    } else {
-        dst[0] = v.x;
-        if (col + 1 < n) dst[1] = v.y;
-        if (col + 2 < n) dst[2] = v.z;
-        if (col + 3 < n) dst[3] = v.w;
-    }
-}
-
-
 // ------------------------------------------------------------------------------ kernels
 
 // Grid (n-tile groups, splits, token tiles). 2 CTAs/SM where shared memory allows (TM <= 32).
@@ -228,21 +196,6 @@ __global__ void __launch_bounds__(kThreads, TM <= 32 ? 2 : 1) mma_kernel(const P
         const float4 v = *reinterpret_cast<const float4*>(out + tok * kOutRow + r4);
         if (p.mode == kDirect) store_y<BF16>(p.y, m0 + tok, n0 + r4, p.n, v);
         else store_ws(ws, m0 + tok, n0 + r4, p.n, v);
-    }
-}
-
-// y = sum over splits of ws[s] (fixed order: deterministic), cast to y's dtype.
-template <bool BF16>
-__global__ void __launch_bounds__(256) splitk_reduce_kernel(const float* __restrict__ ws,
-                                                            void* __restrict__ y, int64_t count,
-                                                            int splits) {
-    using T = std::conditional_t<BF16, __nv_bfloat16, __half>;
-    const int64_t step = gridDim.x * int64_t{256};
-    for (int64_t i = blockIdx.x * int64_t{256} + threadIdx.x; i < count; i += step) {
-        float v = 0.f;
-        for (int s = 0; s < splits; ++s) v += ws[s * count + i];
-        if constexpr (BF16) reinterpret_cast<T*>(y)[i] = __float2bfloat16_rn(v);
-        else reinterpret_cast<T*>(y)[i] = __float2half_rn(v);
     }
 }
 
