@@ -287,7 +287,7 @@ void run_bits(int tm, bool wg, bool bf16, const at::Tensor& x, const at::Tensor&
 
 // The wgmma path, only where this build has sm_90a code (setup.py defines KBIT_SM90A for a 9.0a
 // arch) and the GPU is sm_90, whose SASS it then runs. KBIT_MMA_WGMMA: unset = by shape, 0 = never,
-// 1 = for every M > 32. By shape, from the H100 runs in benchmarks/results/
+// 1 = for every M > 32 (2 = the warp-specialized kernel of wgmma_gemm.cu, see mma()). By shape, from the H100 runs in benchmarks/results/
 // bench_linear_h100__s4_wgmma_db.md: its 128-token tile wins where one tile of tokens already
 // gives >= 64 CTAs of 256 rows without split-K (8B gate_up, M = 96: 88 vs 158 us for mma.sync; 70B
 // gate_up, M = 256: 718 vs 805). On narrow layers it needs split-K, whose 128-token fp32 partial
@@ -336,6 +336,10 @@ at::Tensor mma(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tens
     const bool aligned = reinterpret_cast<uintptr_t>(x_in.data_ptr()) % 16 == 0 &&
                          (M == 1 || x_in.stride(0) % 8 == 0);
     const at::Tensor x = aligned ? x_in : x_in.clone(at::MemoryFormat::Contiguous);
+    if (env_int("KBIT_MMA_WGMMA", -1) == 2) {  // the warp-specialized kernel, opt-in until measured
+        wgmma_gemm(x, qweight, absmax, codebook, bits, y);
+        return y;
+    }
     const bool wg = use_wgmma(x, M, n);
     const int tm = wg ? (M <= 64 ? 64 : 128) : M <= 8 ? 8 : M <= 16 ? 16 : M <= 32 ? 32 : 64;
     const bool bf16 = x.scalar_type() == at::kBFloat16;

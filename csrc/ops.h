@@ -28,6 +28,10 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor
 // mma.cu: y[M, n] = x[M, K] @ W^T with tensor cores, dequantization fused (mid M).
 at::Tensor mma(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& absmax,
                const at::Tensor& codebook, int64_t bits, int64_t n);
+// wgmma_gemm.cu: not an op but kbit::mma's KBIT_MMA_WGMMA=2 path (the warp-specialized sm_90a
+// kernel) writing y[M, n]; the caller has checked the tensors and 16-byte aligned x's rows.
+void wgmma_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& absmax,
+                const at::Tensor& codebook, int64_t bits, at::Tensor& y);
 // linear.cu: picks gemv / mma / dequantize_tiled + cuBLAS from M (KBIT_FORCE_KERNEL overrides).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& absmax,
                   const at::Tensor& codebook, int64_t bits, int64_t n);
