@@ -317,3 +317,171 @@ def test_wgmma_real_shapes_and_splits(monkeypatch, m: int) -> None:
         _check(_mma(x, qt, at, cb, bits, n), x, w32)  # the mma.sync path on the same data
         monkeypatch.setenv("KBIT_MMA_WGMMA", "1")
         _quantized.cache_clear()
+
+
+# ------------------------------------- warp-specialized wgmma kernel (KBIT_MMA_WGMMA=2, sm_90a)
+# csrc/wgmma_gemm.cu: producer warpgroup (bulk copies + TMA), two consumer warpgroups (register
+# A, wgmma), mbarrier ring. Configurations (KBIT_WGMMA_CONFIG): 1 = 128 rows x 64 tokens,
+# 2 = 128 x 128, 3 = 256 x 128; unset = by M. First on a new build: test_ws_smoke (a protocol
+# bug traps after 20 s instead of hanging; the process's CUDA context is then lost).
+
+WS_CONFIGS = ["1", "2", "3"]
+WS_MS = [1, 17, 64, 65, 100, 127, 128, 129, 200, 256, 300, 1000]
+
+
+@pytest.fixture
+def ws(monkeypatch):
+    """KBIT_MMA_WGMMA=2 with the default split-K and configuration."""
+    monkeypatch.setenv("KBIT_MMA_WGMMA", "2")
+    for var in ("KBIT_WGMMA_CONFIG", "KBIT_MMA_SPLITS", "KBIT_MMA_NO_CLUSTER"):
+        monkeypatch.delenv(var, raising=False)
+    return monkeypatch
+
+
+@wgmma
+def test_ws_smoke(ws) -> None:
+    n, k, bits = 256, 256, 4
+    qt, at, cb, w32 = _quantized(n, k, bits)
+    x = _x(128, k, torch.float16)
+    y = _mma(x, qt, at, cb, bits, n)
+    torch.cuda.synchronize()
+    _check(y, x, w32)
+
+
+def _one_hot_all_columns(k: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.eye(k, dtype=dtype, device="cuda")  # token t = column t
+
+
+@wgmma
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("config", WS_CONFIGS)
+@pytest.mark.parametrize("splits", ["1", "3"])
+def test_ws_one_hot_layout(ws, config: str, dtype: torch.dtype, splits: str) -> None:
+    # x = identity (token t = one-hot column t) => y = W^T exactly, one product per output and no
+    # rounding, whatever the split-K. Catches, one element at a time, any error in the A
+    # fragments, the B descriptor / 128B swizzle / k16 advance, the TMA boxes (incl. the K tail:
+    # K = 416 ends 32 columns into its 4th k-tile), the token/row mapping and the epilogue.
+    # n = 300: a partial row block and a partial tile; M = 416: a partial token tile.
+    ws.setenv("KBIT_WGMMA_CONFIG", config)
+    ws.setenv("KBIT_MMA_SPLITS", splits)
+    n, k = 300, 416
+    for bits in (2, 3, 4, 5):
+        qt, at, cb, w32 = _quantized(n, k, bits)
+        y = _mma(_one_hot_all_columns(k, dtype), qt, at, cb, bits, n).float()
+        want = w32.to(dtype).float().t()
+        bad = (y != want).nonzero()
+        assert bad.numel() == 0, (f"bits={bits}: {bad.shape[0]} wrong outputs, first (token=column,"
+                                  f" row): {bad[:4].tolist()}")  # fmt: skip
+
+
+@wgmma
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", [2, 3, 4, 5])
+@pytest.mark.parametrize("n,k", AWKWARD)
+def test_ws_awkward_shapes(ws, n: int, k: int, bits: int, dtype: torch.dtype) -> None:
+    qt, at, cb, w32 = _quantized(n, k, bits)
+    for m in WS_MS:
+        x = _x(m, k, dtype, seed=m)
+        _check(_mma(x, qt, at, cb, bits, n), x, w32)
+
+
+@wgmma
+@pytest.mark.parametrize("config", WS_CONFIGS)
+@pytest.mark.parametrize("bits", [2, 3, 4, 5])
+def test_ws_configs_forced(ws, config: str, bits: int) -> None:
+    ws.setenv("KBIT_WGMMA_CONFIG", config)
+    shapes = [(300, 640, torch.float16), (1000, 4128, torch.bfloat16), (17, 160, torch.float16)]
+    for n, k, dtype in shapes:
+        qt, at, cb, w32 = _quantized(n, k, bits)
+        for m in [1, 65, 127, 300]:
+            x = _x(m, k, dtype, seed=m + bits)
+            _check(_mma(x, qt, at, cb, bits, n), x, w32)
+
+
+@wgmma
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("config", WS_CONFIGS)
+@pytest.mark.parametrize("m", [65, 300])
+def test_ws_split_k_paths(ws, m: int, config: str, dtype: torch.dtype) -> None:
+    # forced split counts, cluster (DSMEM) and workspace reductions: correct, deterministic, and
+    # the two reductions add the partials in the same order, so they agree bit for bit
+    ws.setenv("KBIT_WGMMA_CONFIG", config)
+    n, k, bits = 512, 4096, 3
+    qt, at, cb, w32 = _quantized(n, k, bits)
+    x = _x(m, k, dtype)
+    for splits in ["1", "2", "3", "8"]:
+        ws.setenv("KBIT_MMA_SPLITS", splits)
+        ws.delenv("KBIT_MMA_NO_CLUSTER", raising=False)
+        y = _mma(x, qt, at, cb, bits, n)
+        _check(y, x, w32)
+        assert torch.equal(_mma(x, qt, at, cb, bits, n), y)  # deterministic
+        ws.setenv("KBIT_MMA_NO_CLUSTER", "1")
+        assert torch.equal(_mma(x, qt, at, cb, bits, n), y)
+
+
+@wgmma
+@pytest.mark.parametrize("m", [64, 128, 256, 1000])
+def test_ws_real_shapes(ws, m: int) -> None:
+    # Llama-3.1-8B gate_up and down, 70B o; the default configuration and split-K for each M
+    for n, k, bits, dtype in [(28672, 4096, 4, torch.float16), (4096, 14336, 2, torch.bfloat16),
+                              (8192, 8192, 5, torch.float16)]:  # fmt: skip
+        qt, at, cb, w32 = _quantized(n, k, bits, device="cuda")
+        x = _x(m, k, dtype, seed=m)
+        _check(_mma(x, qt, at, cb, bits, n), x, w32)
+        _quantized.cache_clear()
+
+
+@wgmma
+def test_ws_subnormal_and_zero_absmax(ws) -> None:
+    n, k, bits = 128, 512, 4
+    qt, at, cb, w32 = _quantized(n, k, bits, seed=3, scale_exp=(-18.0, -13.0))
+    qt0, at0, _, _ = _quantized(n, k, bits, seed=3, scale_exp=(-60.0, -60.0))
+    for m, dtype in [(65, torch.float16), (200, torch.bfloat16)]:
+        x = _x(m, k, dtype)
+        _check(_mma(x, qt, at, cb, bits, n), x, w32)
+        assert bool((_mma(x, qt0, at0, cb, bits, n) == 0).all())
+
+
+@wgmma
+def test_ws_strided_and_misaligned_x(ws) -> None:
+    # TMA needs 16-byte aligned rows: odd strides and shifted rows go through mma.cu's copy
+    n, k, bits, m = 200, 384, 4, 100
+    qt, at, cb, w32 = _quantized(n, k, bits)
+    x = _x(m, k, torch.float16)
+    y = _mma(x, qt, at, cb, bits, n)
+    _check(y, x, w32)
+    wide = torch.zeros(m, k + 64, dtype=x.dtype, device="cuda")  # aligned row stride > K
+    wide[:, :k] = x
+    odd = torch.zeros(m, k + 3, dtype=x.dtype, device="cuda")  # stride not a multiple of 8
+    odd[:, :k] = x
+    shifted = torch.zeros(m, k + 1, dtype=x.dtype, device="cuda")  # rows not 16-byte aligned
+    shifted[:, 1:] = x
+    for view in [wide[:, :k], odd[:, :k], shifted[:, 1:]]:
+        assert torch.equal(_mma(view, qt, at, cb, bits, n), y)
+
+
+@wgmma
+@pytest.mark.parametrize("no_cluster", ["0", "1"])
+@pytest.mark.parametrize("m", [64, 200])
+def test_ws_cuda_graph_replay_equals_eager(ws, m: int, no_cluster: str) -> None:
+    ws.setenv("KBIT_MMA_NO_CLUSTER", no_cluster)
+    n, k, bits = 1024, 2048, 4
+    qt, at, cb, _ = _quantized(n, k, bits)
+    static_x = _x(m, k, torch.float16)
+    graph, static_y = capture(lambda: _mma(static_x, qt, at, cb, bits, n))
+    for seed in [5, 6, 7]:
+        x = _x(m, k, torch.float16, seed=seed)
+        static_x.copy_(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_y, _mma(x, qt, at, cb, bits, n))
+
+
+@pytest.mark.cxx_errors
+def test_ws_unavailable_is_a_clear_error(ws) -> None:
+    if _wgmma_available():
+        pytest.skip("this build and GPU run the kernel")
+    n, k, bits = 64, 256, 4
+    qt, at, cb, _ = _quantized(n, k, bits)
+    with pytest.raises(RuntimeError, match="KBIT_MMA_WGMMA=2"):
+        _mma(_x(100, k, torch.float16), qt, at, cb, bits, n)

@@ -64,6 +64,33 @@ if getattr(_C, "sm90a", 0) == 1 and torch.cuda.get_device_capability() == (9, 0)
                     assert err < 2e-2, f"wgmma bits={bits} n={n} k={k} m={m} {dtype}: rel err {err}"
     os.environ.pop("KBIT_MMA_WGMMA")
 
+    # the warp-specialized kernel (KBIT_MMA_WGMMA=2, csrc/wgmma_gemm.cu): every configuration
+    # (KBIT_WGMMA_CONFIG 1/2/3), tails in N, K and M, and split-K through the cluster (DSMEM) and
+    # workspace reductions. Not in the quick (racecheck) run: its shared memory is written by TMA
+    # and bulk copies and read by wgmma (the async proxy) and ordered by mbarriers, which
+    # racecheck is not known to model [unverified]; memcheck covers its loads and stores.
+    os.environ["KBIT_MMA_WGMMA"] = "2"
+    for bits in () if QUICK else BITS:
+        cb = default_codebook(bits).to(dev)
+        for n, k in ((17, 4128), (1000, 96), (300, 640)):
+            w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
+            qt, at = K_OPS.repack(*K_OPS.quantize(w, cb, bits), bits)
+            w_deq = K_OPS.dequantize_tiled(qt, at, cb, bits, n, k, torch.float16).float()
+            for dtype in DTYPES:
+                for config, m, env in (("1", 40, {}), ("2", 100, {"KBIT_MMA_SPLITS": "3"}),
+                                       ("3", 300, {"KBIT_MMA_SPLITS": "2", "KBIT_MMA_NO_CLUSTER": "1"}),
+                                       ("3", 65, {})):  # fmt: skip
+                    os.environ.update(env, KBIT_WGMMA_CONFIG=config)
+                    x = torch.randn(m, k, device=dev, dtype=dtype)
+                    want = x.float() @ w_deq.t()
+                    y = K_OPS.mma(x, qt, at, cb, bits, n).float()
+                    err = ((y - want).norm() / want.norm()).item()
+                    assert err < 2e-2, (f"wgmma_gemm config {config} {env} bits={bits} n={n} k={k} "
+                                        f"m={m} {dtype}: rel err {err}")  # fmt: skip
+                    for var in (*env, "KBIT_WGMMA_CONFIG"):
+                        os.environ.pop(var)
+    os.environ.pop("KBIT_MMA_WGMMA")
+
 # kbit::moe: in-CTA routing and the routing kernel, cluster / workspace split-K, per-slot rows
 # and atomics, an expert map with -1, a partial column group (I = 96) and k-tile (H = 160).
 # (skipped under KBIT_MOE_REFERENCE=1, where kbit::moe is the reference on CUDA)
