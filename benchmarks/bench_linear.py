@@ -51,9 +51,12 @@ QUICK = {"models": "8b", "bits": "2,4", "m": "1,4,16,64,256,4096"}
 SQNR_DB = {2: 9.46, 3: 15.47, 4: 21.77, 5: 27.90}
 SQNR_TOL_DB = 0.5
 REL_ERR_LIMIT = 1e-2
-CHECK_MS = {"gemv": (1, 3, 8), "mma": (1, 16, 100), "mma_wg": (64, 100, 300), "dequant": (64,),
-            "linear": (1, 5, 64, 300)}  # fmt: skip
-WG_MIN_M = 33  # kbit::mma takes its wgmma variant (KBIT_MMA_WGMMA=1) only above M = 32
+CHECK_MS = {"gemv": (1, 3, 8), "mma": (1, 16, 100), "mma_wg": (64, 100, 300),
+            "mma_wg2": (64, 100, 300, 1000), "dequant": (64,), "linear": (1, 5, 64, 300)}  # fmt: skip
+WG_MIN_M = 33  # the wgmma paths (mma_wg, mma_wg2) are timed above M = 32
+# KBIT_MMA_WGMMA per wgmma-related path: mma_wg = the first wgmma variant of kbit::mma, mma_wg2 =
+# the warp-specialized kernel (csrc/wgmma_gemm.cu); with --wgmma, "mma" is the mma.sync variant.
+WG_FLAGS = {"mma": "0", "mma_wg": "1", "mma_wg2": "2"}
 H100 = {"l2": 50e6, "bw": 3.0e12, "flops": 600e12}  # for --dry-run estimates only
 
 
@@ -93,6 +96,7 @@ class Config:
     reverse_paths: bool = False  # time linear first (tests for an order effect on clocks)
     interleave: bool = False  # time the kbit paths of a (shape, k, M) in rotating rounds
     wgmma: bool = False  # also time kbit::mma's wgmma variant as the path "mma_wg"
+    wgmma2: bool = False  # and its warp-specialized wgmma kernel as "mma_wg2" (implies wgmma)
     time_budget_s: float = 420.0
     vllm_ops_lib: str | None = None
     allow_reference: bool = False
@@ -162,6 +166,9 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     add("--wgmma", action="store_true",
         help="time kbit::mma's wgmma variant (KBIT_MMA_WGMMA=1, sm_90a builds) as path mma_wg, M > 32,\n"
              "and its mma.sync variant alone (KBIT_MMA_WGMMA=0) as path mma")
+    add("--wgmma2", action="store_true",
+        help="also time kbit::mma's warp-specialized wgmma kernel (KBIT_MMA_WGMMA=2, sm_90a builds)\n"
+             "as path mma_wg2, M > 32; implies --wgmma")
     add("--time-budget-s", type=float, default=420.0, help="start no new shape/k after this")
     add("--vllm-ops-lib", help="vLLM's _C_stable_libtorch.abi3.so (or .xz), if vllm won't import")
     add("--allow-reference", action="store_true", help="run without vllm_kbit._C (slow)")
@@ -185,6 +192,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
         raise SystemExit(f"--baselines: subset of fp16,marlin,machete or none, got {a.baselines!r}")
     lists = {"shapes": shapes, "bits": bits, "ms": ms, "ms_70b": ms_70b, "baselines": base}
     rest = {f.name: getattr(a, f.name) for f in fields(Config) if f.name not in lists}
+    rest["wgmma"] = rest["wgmma"] or rest["wgmma2"]
     rest["min_reps"] = max(1, rest["min_reps"])
     rest["max_reps"] = max(rest["min_reps"], rest["max_reps"])
     return Config(**lists, **rest)
@@ -200,13 +208,14 @@ def dense_methods(cfg: Config) -> list[str]:
 
 
 def kbit_paths(cfg: Config, m: int | None = None) -> list[str]:
-    """The kbit paths timed (at M = m: gemv up to --gemv-max-m, mma_wg above M = 32)."""
+    """The kbit paths timed (at M = m: gemv up to --gemv-max-m, mma_wg / mma_wg2 above M = 32)."""
     paths = list(KBIT_PATHS)
-    if cfg.wgmma:
-        paths.insert(paths.index("mma") + 1, "mma_wg")
+    wg = (["mma_wg"] if cfg.wgmma else []) + (["mma_wg2"] if cfg.wgmma2 else [])
+    paths[paths.index("mma") + 1 : paths.index("mma") + 1] = wg
     if m is None:
         return paths
-    return [p for p in paths if (p != "gemv" or m <= cfg.gemv_max_m) and (p != "mma_wg" or m >= WG_MIN_M)]
+    return [p for p in paths
+            if (p != "gemv" or m <= cfg.gemv_max_m) and (p not in ("mma_wg", "mma_wg2") or m >= WG_MIN_M)]  # fmt: skip
 
 
 def plan(cfg: Config) -> list[tuple[Shape, str, int | None, int]]:
@@ -495,14 +504,14 @@ def check_int4(run: Run, sh: Shape, meth: str, factory: Factory, w_ref: torch.Te
 def kbit_fn(path: str, x: torch.Tensor, qt: torch.Tensor, at: torch.Tensor, cb: torch.Tensor,
             bits: int, n: int, wgmma: bool = False) -> Callable[[], torch.Tensor]:  # fmt: skip
     """One call of a kbit path. wgmma (--wgmma): "mma" is kbit::mma's mma.sync variant alone
-    (KBIT_MMA_WGMMA=0) and "mma_wg" its wgmma variant (=1); otherwise "mma" is the op as it
-    chooses by shape."""
+    (KBIT_MMA_WGMMA=0), "mma_wg" its wgmma variant (=1) and "mma_wg2" its warp-specialized
+    wgmma kernel (=2); otherwise "mma" is the op as it chooses by shape."""
     if path == "dequant":
         k, dq = x.shape[1], torch.ops.kbit.dequantize_tiled
         return lambda: torch.matmul(x, dq(qt, at, cb, bits, n, k, x.dtype).t())
-    if path == "mma_wg" or (path == "mma" and wgmma):
+    if path in ("mma_wg", "mma_wg2") or (path == "mma" and wgmma):
         # the op reads KBIT_MMA_WGMMA per call (also while a graph is captured)
-        flag = "1" if path == "mma_wg" else "0"
+        flag = WG_FLAGS[path]
 
         def mma() -> torch.Tensor:
             os.environ["KBIT_MMA_WGMMA"] = flag
@@ -651,9 +660,10 @@ def _ratio(a: float | None, b: float | None) -> str:
 
 
 def best_kbit(idx: dict[tuple, Point], model: str, shape: str, bits: int, m: int) -> Point | None:
-    """The fastest individual kbit kernel path (gemv, mma, mma_wg, dequant); linear is the
-    dispatching op and is compared with it, not counted as a path of its own."""
-    cands = [idx.get((model, shape, bits, p, m)) for p in ("gemv", "mma", "mma_wg", "dequant")]
+    """The fastest individual kbit kernel path (gemv, mma, mma_wg, mma_wg2, dequant); linear is
+    the dispatching op and is compared with it, not counted as a path of its own."""
+    paths = ("gemv", "mma", "mma_wg", "mma_wg2", "dequant")
+    cands = [idx.get((model, shape, bits, p, m)) for p in paths]
     cands = [p for p in cands if p is not None and p.ok]
     return min(cands, key=lambda p: p.us) if cands else None
 

@@ -429,6 +429,25 @@ def test_main_cpu_wgmma_path(tmp_path: Path) -> None:
     assert "KBIT_MMA_WGMMA" not in os.environ
 
 
+def test_main_cpu_wgmma2_path(tmp_path: Path) -> None:
+    # --wgmma2 adds mma_wg2 (kbit::mma with KBIT_MMA_WGMMA=2) beside mma and mma_wg above M = 32
+    argv = ["--device", "cpu", "--shapes", "t.a:16x256", "--bits", "3", "--m", "16,64",
+            "--baselines", "none", "--min-reps", "1", "--max-reps", "1", "--warmup", "0",
+            "--wgmma2", "--out-dir", str(tmp_path)]  # fmt: skip
+    cfg = bl.parse_args(argv)
+    assert cfg.wgmma and cfg.wgmma2
+    assert bl.kbit_paths(cfg) == ["gemv", "mma", "mma_wg", "mma_wg2", "dequant", "linear"]
+    assert bl.kbit_paths(cfg, 16) == ["mma", "dequant", "linear"]
+    assert bl.main(argv) == 0
+    doc = json.loads((tmp_path / "bench_linear_cpu.json").read_text())
+    by = {(p["method"], p["m"]): p for p in doc["points"]}
+    assert by[("mma_wg2", 64)]["status"] == "ok" and ("mma_wg2", 16) not in by
+    wg2 = [c for c in doc["checks"] if c["method"] == "mma_wg2"]
+    assert [c["m"] for c in wg2] == list(bl.CHECK_MS["mma_wg2"]) and all(c["ok"] for c in wg2)
+    assert "mma_wg2" in (tmp_path / "bench_linear_cpu.md").read_text()
+    assert "KBIT_MMA_WGMMA" not in os.environ
+
+
 def test_time_interleaved_rounds_and_failures() -> None:
     # every path runs once per round, the first path rotating; a path whose calls raise gets
     # its exception and the others are still timed
@@ -467,7 +486,7 @@ def test_main_cpu_check_only_and_dry_run(tmp_path: Path, capsys: pytest.CaptureF
             "--out-dir", str(tmp_path)]  # fmt: skip
     assert bl.main(argv) == 0
     doc = json.loads((tmp_path / "bench_linear_cpu_check.json").read_text())
-    n_checks = sum(len(ms) for p, ms in bl.CHECK_MS.items() if p != "mma_wg")  # no --wgmma
+    n_checks = sum(len(ms) for p, ms in bl.CHECK_MS.items() if p not in ("mma_wg", "mma_wg2"))
     assert doc["points"] == [] and len(doc["checks"]) == 1 + n_checks
     capsys.readouterr()
     assert bl.main(["--dry-run"]) == 0
