@@ -7,7 +7,7 @@ runs them (benchmarks/bench_moe.py times this same function). Same arguments and
   dequantizes the k-bit weights in registers. Decode and small prefills are bound by weight
   bandwidth there, so reading k + 0.25 bits per weight instead of 16 is the win.
 - many tokens per expert (``use_dequant``): ``moe_dequant`` dequantizes the local experts to
-  x.dtype with ``kbit::dequantize_tiled`` (in chunks of at most ``DEQUANT_MAX_MIB``) and runs
+  x.dtype with ``kbit::dequantize_tiled`` (in chunks of at most ``DEQUANT_MAX_BYTES``) and runs
   vLLM's bf16/fp16 Triton ``fused_experts`` on them.
 
 Settings: module constants read at import, each with an environment override:
@@ -64,7 +64,7 @@ DEQUANT_MIN_TPE = _env_int("KBIT_MOE_DEQUANT_MIN_TPE", 128)
 # Mixtral-8x7B's 8 (2688 MiB) in two. The scratch comes from the caching allocator per call;
 # vLLM's profile run (max_num_batched_tokens tokens) takes this path too, so it is counted
 # before the KV cache is sized.
-DEQUANT_MAX_MIB = _env_int("KBIT_MOE_DEQUANT_MAX_MIB", 1536)
+DEQUANT_MAX_BYTES = _env_int("KBIT_MOE_DEQUANT_MAX_MIB", 1536) << 20
 
 
 def vllm_fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -138,7 +138,7 @@ def moe_dequant(x: torch.Tensor, w13_qweight: torch.Tensor, w13_absmax: torch.Te
                 max_bytes: int | None = None) -> torch.Tensor:  # fmt: skip
     """The large-T path of ``kbit_moe`` (``torch.ops.kbit.moe``'s arguments and contract):
     dequantize the local experts to x.dtype and run ``grouped_gemm`` (default: GROUPED_GEMMS
-    for x's device) on them, in chunks of at most ``max_bytes`` (default DEQUANT_MAX_MIB) of
+    for x's device) on them, in chunks of at most ``max_bytes`` (default DEQUANT_MAX_BYTES) of
     dequantized weights.
 
     One chunk: one call with the layer's own expert_map. Several: chunk [s, e) is called with
@@ -154,7 +154,7 @@ def moe_dequant(x: torch.Tensor, w13_qweight: torch.Tensor, w13_absmax: torch.Te
     if gemm is None:
         raise ValueError(f"kbit: the dequant MoE path has no grouped GEMM for {x.device.type} "
                          "tensors (moe_dispatch.GROUPED_GEMMS)")  # fmt: skip
-    max_bytes = DEQUANT_MAX_MIB << 20 if max_bytes is None else max_bytes
+    max_bytes = DEQUANT_MAX_BYTES if max_bytes is None else max_bytes
     h, i, n_local = x.shape[1], inter_size, w13_qweight.shape[0]
     x = x.contiguous()  # fused_experts asserts it; kbit::moe also takes a row stride
 
