@@ -61,9 +61,10 @@ DEQUANT_MIN_TPE = _env_int("KBIT_MOE_DEQUANT_MIN_TPE", 128)
 # The whole layer in one fused_experts call is fastest: each call also allocates, runs the
 # activation on, zeroes and top-k-sums all T * topk rows of its caches, whichever experts it
 # holds. 1536 MiB takes Qwen3-30B-A3B's 128 experts at TP1 (1152 MiB in bf16) in one call and
-# Mixtral-8x7B's 8 (2688 MiB) in two. The scratch comes from the caching allocator per call;
-# vLLM's profile run (max_num_batched_tokens tokens) takes this path too, so it is counted
-# before the KV cache is sized.
+# Mixtral-8x7B's 8 (2688 MiB) in two. The scratch comes from the caching allocator per call.
+# The choice is monotone in T, so vLLM's profile run (a forward of max_num_batched_tokens
+# tokens) takes this path whenever any batch can, and the scratch is counted before the KV
+# cache is sized.
 DEQUANT_MAX_BYTES = _env_int("KBIT_MOE_DEQUANT_MAX_MIB", 1536) << 20
 
 
