@@ -1,12 +1,21 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
-"""Times one MoE layer's routed experts: kbit::moe (k = 2..5) against vLLM's bf16 Triton
+"""Times one MoE layer's routed experts: kbit (k = 2..5) against vLLM's bf16 Triton
 ``fused_experts`` and ``fused_marlin_moe`` (int4 g128 W4A16), both only when vLLM imports, and a
 plain-torch bf16 baseline (per-expert matmuls on the gathered tokens) always.
 
+kbit series (--kbit-paths): ``kbit`` = ``moe_dispatch.kbit_moe``, exactly what
+``KbitMoEMethod.apply`` runs (the grouped kernel, or from KBIT_MOE_DEQUANT_MIN_M /
+KBIT_MOE_DEQUANT_MIN_TPE on, the experts dequantized + vLLM's fused_experts; [D] marks those
+points); ``kbit_kernel`` = the grouped kernel ``torch.ops.kbit.moe`` alone; ``kbit_dequant`` =
+the dequant path forced (for M >= --dequant-series-min-m). The last two side by side give the
+crossover M to set the thresholds to (pass them with --env to time ``kbit`` with them).
+
     python3 benchmarks/bench_moe.py [--shapes qwen3,mixtral,e512] [--bits 2,3,4,5]
-        [--m 1,2,4,...] [--baselines torch,vllm,marlin] [--check-only] [--out DIR]
-    python3 benchmarks/bench_moe.py --dry-check   # CPU only: the Marlin call's shapes
+        [--m 1,2,4,...] [--baselines torch,vllm,marlin] [--kbit-paths auto,kernel,dequant]
+        [--env KBIT_MOE_DEQUANT_MIN_M=2048,...] [--check-only] [--out DIR]
+    python3 benchmarks/bench_moe.py --dry-check   # CPU only: the Marlin call's shapes and the
+                                                  # dequant path's chunking on tiny layers
 
 Routing: random router logits -> softmax -> top-k -> renormalised (realistic, uneven loads); one
 routing (and x) per call of a rotation. Each rotation of R calls reads >= 3x L2 of weights
@@ -52,7 +61,7 @@ ALL_MS = (1, 2, 4, 8, 16, 32, 64, 256, 1024, 4096)
 @dataclass
 class Point:
     shape: str
-    method: str  # kbit, torch, vllm_bf16, marlin
+    method: str  # kbit (moe_dispatch.kbit_moe), kbit_kernel, kbit_dequant, torch, vllm_bf16, marlin
     bits: int | None
     m: int
     us: float | None = None
@@ -63,11 +72,12 @@ class Point:
     tbps: float | None = None
     timing: str = ""
     samples_us: list[float] = field(default_factory=list)
+    path: str = ""  # kbit: the path kbit_moe takes at this M ("kernel" or "dequant")
 
 
 def expert_bytes(method: str, bits: int | None, h: int, i: int) -> float:
     n = 3 * h * i  # gate, up, down
-    if method == "kbit":
+    if method.startswith("kbit"):
         return n * (bits + 0.25) / 8
     if method == "marlin":
         return n * (4 + 16 / 128) / 8
@@ -110,10 +120,18 @@ def dequant_experts(w, bits, h, i, dtype):
     return w13, w2
 
 
-def kbit_fn(x, w, tw, ids, bits, i):
+KBIT_PATHS = {"auto": "kbit", "kernel": "kbit_kernel", "dequant": "kbit_dequant"}
+
+
+def kbit_fn(x, w, tw, ids, bits, i, path="auto", **kw):
+    """One kbit MoE call: path "auto" = moe_dispatch.kbit_moe (what KbitMoEMethod.apply runs),
+    "kernel" = torch.ops.kbit.moe, "dequant" = moe_dispatch.moe_dequant (kw: max_bytes)."""
+    from vllm_kbit import moe_dispatch
+
+    fn = {"auto": moe_dispatch.kbit_moe, "kernel": torch.ops.kbit.moe,
+          "dequant": moe_dispatch.moe_dequant}[path]  # fmt: skip
     q13, a13, q2, a2, cb = w
-    return lambda: torch.ops.kbit.moe(x, q13, a13, q2, a2, cb, tw, ids, None, bits, i, "silu",
-                                      False)  # fmt: skip
+    return lambda: fn(x, q13, a13, q2, a2, cb, tw, ids, None, bits, i, "silu", False, **kw)
 
 
 def torch_fn(x, w13, w2, tw, ids):
@@ -202,6 +220,35 @@ def vllm_marlin():
         )  # fmt: skip
 
     return weights, make
+
+
+def dispatch_dry_check(shapes: list[str], dtype) -> None:
+    """CPU only: moe_dispatch's dequant path, chunked as on the GPU at each shape's real size
+    (chunk_experts at DEQUANT_MAX_BYTES), on tiny layers of the shape's E and top-k (H=64,
+    I=32; vLLM's Triton fused_experts replaced by reference_moe.grouped_experts) against the
+    reference op; prints the dispatch decision per M and the chunks."""
+    from vllm_kbit import _ops, moe_dispatch, reference_moe
+
+    _ops.load()
+    for sh in shapes:
+        label, e, topk, h, i = SHAPES[sh]
+        per = 3 * h * i * torch.empty(0, dtype=dtype).element_size()
+        chunks = moe_dispatch.chunk_experts(e, per, moe_dispatch.DEQUANT_MAX_BYTES)
+        w = kbit_weights(e, 64, 32, 4, "cpu")
+        tw, ids = routing(40, e, topk, 0, "cpu")
+        x = torch.randn(40, 64).to(dtype)
+        want = reference_moe.moe_tiled(x, *w, tw, ids, None, 4, 32, "silu", False)
+        got = kbit_fn(x, w, tw, ids, 4, 32, "dequant", grouped_gemm=reference_moe.grouped_experts,
+                      max_bytes=max(c1 - c0 for c0, c1 in chunks) * 3 * 64 * 32 * 2)()  # fmt: skip
+        err = rel_err(got, want)
+        assert err < 1e-2, f"{sh}: dequant path vs reference rel err {err:.2e}"
+        first = next((m for m in sorted({*ALL_MS, 2048, 8192, 16384})
+                      if moe_dispatch.use_dequant(m, topk, e)), None)  # fmt: skip
+        print(f"dry-check {sh} ({label}): dequant path from M={first} (MIN_M "
+              f"{moe_dispatch.DEQUANT_MIN_M}, MIN_TPE {moe_dispatch.DEQUANT_MIN_TPE}); "
+              f"{len(chunks)} chunk(s) of {[c1 - c0 for c0, c1 in chunks]} experts, "
+              f"{max(c1 - c0 for c0, c1 in chunks) * per / 2**20:.0f} MiB of {dtype} "
+              f"weights at most; tiny-layer rel err vs reference {err:.1e}", flush=True)
 
 
 def marlin_dry_check(shapes: list[str], ms: list[int], dtype, sms: int = 132) -> None:
@@ -314,6 +361,11 @@ def main(argv=None) -> int:
     ap.add_argument("--bits", default="2,3,4,5")
     ap.add_argument("--m", default=",".join(map(str, ALL_MS)))
     ap.add_argument("--baselines", default="torch,vllm,marlin")
+    ap.add_argument("--kbit-paths", default="auto,kernel,dequant",
+                    help="kbit series: auto (kbit_moe, as vLLM runs it), kernel (kbit::moe\n"
+                         "alone), dequant (dequantize + vLLM fused_experts, forced)")  # fmt: skip
+    ap.add_argument("--dequant-series-min-m", type=int, default=256,
+                    help="time the forced dequant series from this M on")  # fmt: skip
     ap.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     ap.add_argument("--check-only", action="store_true")
     ap.add_argument("--dry-check", action="store_true",
@@ -331,13 +383,17 @@ def main(argv=None) -> int:
     shapes = [s.strip() for s in a.shapes.split(",") if s.strip()]
     ms = [int(m) for m in a.m.split(",") if m.strip()]
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float16
-    if a.dry_check:
-        marlin_dry_check(shapes, ms, dtype)
-        return 0
-    for kv in filter(None, a.env.split(",")):
+    kbit_paths = [pth.strip() for pth in a.kbit_paths.split(",") if pth.strip()]
+    if bad := [pth for pth in kbit_paths if pth not in KBIT_PATHS]:
+        ap.error(f"--kbit-paths: unknown {bad}; choose from {list(KBIT_PATHS)}")
+    for kv in filter(None, a.env.split(",")):  # before vllm_kbit reads its settings
         k, _, v = kv.partition("=")
         os.environ[k] = v
-    from vllm_kbit import _ops
+    if a.dry_check:
+        dispatch_dry_check(shapes, dtype)
+        marlin_dry_check(shapes, ms, dtype)
+        return 0
+    from vllm_kbit import _ops, moe_dispatch
 
     backend = _ops.load()
     if "moe" in getattr(_ops, "_cuda_reference_ops", []):
@@ -349,6 +405,9 @@ def main(argv=None) -> int:
     meta = run_metadata(["benchmarks/bench_moe.py", *(sys.argv[1:] if argv is None else argv)])
     meta["kbit_backend"] = backend
     meta["env"] = a.env
+    meta["kbit_dispatch"] = {"DEQUANT_MIN_M": moe_dispatch.DEQUANT_MIN_M,
+                             "DEQUANT_MIN_TPE": moe_dispatch.DEQUANT_MIN_TPE,
+                             "DEQUANT_MAX_MIB": moe_dispatch.DEQUANT_MAX_BYTES >> 20}  # fmt: skip
     meta["complete"] = False  # set when every shape ran (files are rewritten as the run goes)
     l2 = l2_cache_bytes()
     notes: list[str] = []
@@ -389,9 +448,9 @@ def main(argv=None) -> int:
 
     dog = Watchdog(t0, a.time_budget_s + 60, stop)
 
-    def measure(sh, method, bits, m, fns, active, ebytes):
+    def measure(sh, method, bits, m, fns, active, ebytes, path=""):
         p = Point(sh, method, bits, m, calls=len(fns), active_experts=active,
-                  weight_bytes=active * ebytes)  # fmt: skip
+                  weight_bytes=active * ebytes, path=path)  # fmt: skip
         if time.monotonic() - t0 > a.time_budget_s:
             p.status = "skipped (time budget)"
             points.append(p)
@@ -407,7 +466,7 @@ def main(argv=None) -> int:
             torch.cuda.synchronize()
         points.append(p)
         us = f"{p.us:9.1f}" if p.us else p.status
-        print(f"[{time.monotonic() - t0:6.1f}s] {sh:<9} {method:<9} k={bits or '-'} M={m:<5} "
+        print(f"[{time.monotonic() - t0:6.1f}s] {sh:<9} {method:<12} k={bits or '-'} M={m:<5} "
               f"{us} us  {p.tbps or 0:.2f} TB/s  (R={len(fns)}, active {active:.1f})", flush=True)
 
     for sh in shapes:
@@ -432,15 +491,26 @@ def main(argv=None) -> int:
             if bits == bits_list[0] or a.check_only:  # correctness vs the reference
                 from vllm_kbit import reference_moe
 
+                # the kernel; the dequant path in one chunk and in three (chunking and the
+                # chunk expert_maps on the GPU)
+                third = -(-e // 3) * 3 * h * i * torch.empty(0, dtype=dtype).element_size()
+                variants = [("kernel", {}), ("dequant", {}), ("dequant", {"max_bytes": third})]
                 for m in [1, 37]:
                     tw, ids = routing(m, e, topk, 99, dev)
                     x = torch.randn(m, h, device=dev).to(dtype)
-                    y = kbit_fn(x, w, tw, ids, bits, i)()
                     want = reference_moe.moe_tiled(x, *w, tw, ids, None, bits, i, "silu", False)
-                    err = rel_err(y, want)
-                    checks.append({"shape": sh, "bits": bits, "m": m, "rel_err_vs_reference": err,
-                                   "ok": err < 2e-2})  # fmt: skip
-                    print(f"check {sh} k={bits} M={m}: rel err vs reference {err:.2e}", flush=True)
+                    for pth, kw in variants:
+                        name = pth + (" (3 chunks)" if kw else "")
+                        try:
+                            err = rel_err(kbit_fn(x, w, tw, ids, bits, i, pth, **kw)(), want)
+                        except Exception as ex:  # noqa: BLE001  (e.g. vLLM absent: dequant n/a)
+                            notes.append(f"check {sh} k={bits} M={m} {name}: {type(ex).__name__}: "
+                                         f"{str(ex)[:160]}")  # fmt: skip
+                            continue
+                        checks.append({"shape": sh, "bits": bits, "m": m, "path": name,
+                                       "rel_err_vs_reference": err, "ok": err < 2e-2})  # fmt: skip
+                        print(f"check {sh} k={bits} M={m} {name}: rel err vs reference {err:.2e}",
+                              flush=True)  # fmt: skip
                 if bits == bits_list[0] and (vllm_make or "torch" in base):
                     ref_w = (dequant_experts(w, bits, h, i, dtype), w)
             if a.check_only:
@@ -448,8 +518,13 @@ def main(argv=None) -> int:
             eb = expert_bytes("kbit", bits, h, i)
             for m in ms:
                 rs, xs, active = cases[m]
-                fns = [kbit_fn(x, w, tw, ids, bits, i) for x, (tw, ids) in zip(xs, rs)]
-                measure(sh, "kbit", bits, m, fns, active, eb)
+                for pth in kbit_paths:
+                    if pth == "dequant" and m < a.dequant_series_min_m:
+                        continue
+                    fns = [kbit_fn(x, w, tw, ids, bits, i, pth) for x, (tw, ids) in zip(xs, rs)]
+                    taken = {"auto": "dequant" if moe_dispatch.use_dequant(m, topk, e) else "kernel",
+                             "kernel": "kernel", "dequant": "dequant"}[pth]  # fmt: skip
+                    measure(sh, KBIT_PATHS[pth], bits, m, fns, active, eb, taken)
             del w
             torch.cuda.empty_cache()
             write_results()
@@ -459,11 +534,13 @@ def main(argv=None) -> int:
                 tw, ids = routing(37, e, topk, 99, dev)
                 x = torch.randn(37, h, device=dev).to(dtype)
                 try:
-                    err = rel_err(kbit_fn(x, wk, tw, ids, bits_list[0], i)(),
-                                  vllm_make(x, w13, w2, tw, ids)())  # fmt: skip
-                    checks.append({"shape": sh, "bits": bits_list[0], "m": 37,
-                                   "rel_err_vs_vllm_bf16": err, "ok": err < 2e-2})  # fmt: skip
-                    print(f"check {sh} M=37: kbit vs vLLM bf16 rel err {err:.2e}", flush=True)
+                    want = vllm_make(x, w13, w2, tw, ids)()
+                    for pth in ("kernel", "dequant"):  # dequant: the same call, so bit-identical
+                        err = rel_err(kbit_fn(x, wk, tw, ids, bits_list[0], i, pth)(), want)
+                        checks.append({"shape": sh, "bits": bits_list[0], "m": 37, "path": pth,
+                                       "rel_err_vs_vllm_bf16": err, "ok": err < 2e-2})  # fmt: skip
+                        print(f"check {sh} M=37 {pth}: kbit vs vLLM bf16 rel err {err:.2e}",
+                              flush=True)  # fmt: skip
                 except Exception as ex:  # noqa: BLE001
                     notes.append(f"vLLM check failed: {type(ex).__name__}: {ex}")
             if not a.check_only:
@@ -527,7 +604,11 @@ def markdown(points, meta, notes, checks, shapes) -> str:
               "top-k sum), median of CUDA-graph replays over a rotation of calls with different "
               "routings reading >= 3x L2 of weights. TB/s = bytes of the experts that received "
               "tokens / time. `x bf16` = vLLM bf16 fused_experts time / this time (torch baseline "
-              "when vLLM is absent); `x Marlin` = fused_marlin_moe W4A16 time / this time.")
+              "when vLLM is absent); `x Marlin` = fused_marlin_moe W4A16 time / this time. "
+              "`kbit` = moe_dispatch.kbit_moe (what KbitMoEMethod.apply runs; [D]: it took the "
+              "dequant + fused_experts path at that M), `kbit_kernel` = kbit::moe alone, "
+              "`kbit_dequant` = the dequant path forced. Dispatch settings: "
+              f"`{meta.get('kbit_dispatch')}`.")
     lines += ["", legend, ""]
     for n in notes:
         lines.append(f"- note: {n}")
@@ -540,13 +621,14 @@ def markdown(points, meta, notes, checks, shapes) -> str:
         if not rows:
             continue
         ms = sorted({p.m for p in rows})
-        series = sorted({(p.method, p.bits) for p in rows}, key=lambda s: (s[0] != "kbit", s))
+        series = sorted({(p.method, p.bits) for p in rows},
+                        key=lambda s: (not s[0].startswith("kbit"), s[1] or 0, s[0]))  # fmt: skip
         title = (f"## {label} (E={SHAPES[sh][1]}, top-{SHAPES[sh][2]}, H={SHAPES[sh][3]}, "
                  f"I={SHAPES[sh][4]})")
         lines += ["", title, "", "| series | " + " | ".join(f"M={m}" for m in ms) + " |",
                   "|---|" + "---|" * len(ms)]
         for meth, b in series:
-            name = f"kbit k={b}" if meth == "kbit" else meth
+            name = f"{meth} k={b}" if meth.startswith("kbit") else meth
             cells = []
             for m in ms:
                 p = get.get((sh, meth, b, m))
@@ -555,8 +637,8 @@ def markdown(points, meta, notes, checks, shapes) -> str:
                     continue
                 ref = get.get((sh, "vllm_bf16", None, m)) or get.get((sh, "torch", None, m))
                 mar = get.get((sh, "marlin", None, m))
-                cell = f"{p.us:.1f}"
-                if meth == "kbit":
+                cell = f"{p.us:.1f}" + (" [D]" if meth == "kbit" and p.path == "dequant" else "")
+                if meth.startswith("kbit"):
                     cell += f" ({p.tbps:.2f} TB/s"
                     if ref:
                         cell += f", {ref.us / p.us:.2f}x bf16"

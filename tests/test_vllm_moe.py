@@ -261,6 +261,38 @@ def test_expert_parallel_loads_and_runs_local_experts(tp_rank):
     check_forward(layer, dequantized(qs[2:], bits), t=16, expert_map=re_.expert_map)
 
 
+@pytest.mark.parametrize("ep", [False, True])
+def test_dequant_path_through_the_layer(monkeypatch, tp_rank, ep):
+    """KbitMoEMethod.apply -> moe_dispatch.kbit_moe: thresholds at 0 and a grouped GEMM for CPU
+    tensors (reference_moe.grouped_experts standing in for vLLM's Triton fused_experts) make
+    the layer take the dequant path, one expert per chunk, composed with the layer's
+    expert_map under EP (rank 1 of 2: global experts 2, 3)."""
+    from vllm_kbit import moe_dispatch
+    from vllm_kbit.reference_moe import grouped_experts
+
+    calls = []
+
+    def gemm(*args):
+        calls.append(args[1].shape[0])
+        return grouped_experts(*args)
+
+    monkeypatch.setitem(moe_dispatch.GROUPED_GEMMS, "cpu", gemm)
+    monkeypatch.setattr(moe_dispatch, "DEQUANT_MIN_M", 0)
+    monkeypatch.setattr(moe_dispatch, "DEQUANT_MIN_TPE", 0)
+    monkeypatch.setattr(moe_dispatch, "DEQUANT_MAX_BYTES", 1)  # one expert per chunk
+    bits = 4
+    qs = quantized(experts(4, 64, 64, seed=5), bits)
+    if ep:
+        tp_rank(1)
+    layer = build(config(bits), i=64, tp=2 if ep else None, ep=ep)
+    load(layer, checkpoint(qs))
+    re_ = layer.routed_experts
+    re_.quant_method.process_weights_after_loading(re_)
+    local = qs[2:] if ep else qs
+    check_forward(layer, dequantized(local, bits), t=16, expert_map=re_.expert_map)
+    assert calls == [1] * len(local)
+
+
 # ------------------------------------------------------------------ online
 
 

@@ -4,9 +4,11 @@
 Per MoE layer (``RoutedExperts``) with E local experts, hidden size H and intermediate size
 I per TP rank, after loading: ``w13_qweight`` int32 [E, W13] and ``w13_weight_absmax`` uint8
 [E, B13] (row e = expert e's gate_up weight [2I, H] in the tiled runtime layout), the same
-for ``w2_*`` (down [H, I]), and the non-persistent buffer ``kbit_codebook``. ``apply`` is one
-``torch.ops.kbit.moe`` call (the legacy direct-apply design: no modular kernel, so TP, EP
-without all2all, and DP without EP work; DP+EP all2all backends are refused).
+for ``w2_*`` (down [H, I]), and the non-persistent buffer ``kbit_codebook``. ``apply`` is
+``moe_dispatch.kbit_moe``: one ``torch.ops.kbit.moe`` call, or for many tokens per expert the
+experts dequantized to the activation dtype and vLLM's Triton ``fused_experts`` (the legacy
+direct-apply design: no modular kernel, so TP, EP without all2all, and DP without EP work;
+DP+EP all2all backends are refused).
 
 Pre-quantized: the checkpoint's per-expert 2-D tensors ``experts.{e}.gate_proj.qweight``
 [I_full, H/32*k], ``.weight_absmax`` [I_full, H/32] (``up_proj`` / ``down_proj``, or
@@ -40,6 +42,7 @@ from .linear import (
     _load_format_is_dummy,
     _quantize,
 )
+from .moe_dispatch import kbit_moe
 from .reference import tiled_shape
 from .reference_moe import ACTIVATIONS
 
@@ -142,8 +145,10 @@ class KbitMoEMethod(FusedMoEMethodBase):
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, shared_experts: object | None,
               shared_experts_input: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
-        # shared experts are run (and everything is all-reduced) by vLLM's MoE runner
-        return torch.ops.kbit.moe(
+        # shared experts are run (and everything is all-reduced) by vLLM's MoE runner. This
+        # runs eagerly inside vLLM's opaque vllm::moe_forward op, so kbit_moe may pick its path
+        # from x.shape[0] (shapes only: a CUDA graph captured at one T replays that T's path).
+        return kbit_moe(
             x, layer.w13_qweight, layer.w13_weight_absmax, layer.w2_qweight,
             layer.w2_weight_absmax, layer.kbit_codebook, topk_weights.float(), topk_ids,
             layer.expert_map, self.bits, layer.intermediate_size_per_partition,

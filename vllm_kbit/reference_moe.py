@@ -113,7 +113,7 @@ def moe_tiled(x: torch.Tensor, w13_qweight: torch.Tensor, w13_absmax: torch.Tens
     check_moe_args(x, w13_qweight, w13_absmax, w2_qweight, w2_absmax, codebook, topk_weights,
                    topk_ids, expert_map, bits, inter_size, activation,
                    apply_router_weight_on_input)  # fmt: skip
-    t, h = x.shape
+    h = x.shape[1]
     n_local = w13_qweight.shape[0]
     n_global = n_local if expert_map is None else expert_map.numel()
     ids = topk_ids.long()
@@ -124,16 +124,45 @@ def moe_tiled(x: torch.Tensor, w13_qweight: torch.Tensor, w13_absmax: torch.Tens
     if local.numel() and int(local.max()) >= n_local:
         raise ValueError(f"kbit::moe: expert_map maps to local expert {int(local.max())}, but "
                          f"w13_qweight holds {n_local} experts")  # fmt: skip
-    act = ACTIVATIONS[activation]
     i = inter_size
-    out = torch.zeros(t, h, dtype=torch.float32, device=x.device)
+
+    def weights(e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return (dequantize_tiled(w13_qweight[e], w13_absmax[e], codebook, bits, 2 * i, h, x.dtype),
+                dequantize_tiled(w2_qweight[e], w2_absmax[e], codebook, bits, h, i, x.dtype))  # fmt: skip
+
+    return _experts_sum(x, local, topk_weights, weights, activation, apply_router_weight_on_input)
+
+
+def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                    topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                    expert_map: torch.Tensor | None, activation: str,
+                    apply_router_weight_on_input: bool) -> torch.Tensor:  # fmt: skip
+    """Pure-PyTorch stand-in for vLLM's ``fused_experts`` on dequantized weights, with the
+    signature of ``moe_dispatch.GroupedGemm``: w13 [c, 2I, H] and w2 [c, H, I] in x.dtype,
+    ``expert_map`` int32 [global_E] -> local id in [0, c) or -1 (None: ids are local). Same
+    math and rounding as ``moe_tiled`` (so that one call over all experts is bit-identical to
+    it); vLLM's Triton kernel also rounds each slot's down product to x.dtype before the top-k
+    sum. Syncs with the host: tests and CPU only."""
+    ids = topk_ids.long()
+    local = ids if expert_map is None else expert_map.long()[ids]
+    return _experts_sum(x, local, topk_weights, lambda e: (w13[e], w2[e]), activation,
+                        apply_router_weight_on_input)  # fmt: skip
+
+
+def _experts_sum(x: torch.Tensor, local: torch.Tensor, topk_weights: torch.Tensor,
+                 weights: Callable[[int], tuple[torch.Tensor, torch.Tensor]], activation: str,
+                 apply_router_weight_on_input: bool) -> torch.Tensor:  # fmt: skip
+    """The MoE math of the module docstring: ``local`` [T, topk] local expert per slot (< 0:
+    skipped), ``weights(e)`` -> (w13 [2I, H], w2 [H, I]) in x.dtype; experts in ascending order."""
+    act = ACTIVATIONS[activation]
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in local.unique().tolist():
         if e < 0:  # expert on another rank
             continue
         tok, slot = (local == e).nonzero(as_tuple=True)
         weight = topk_weights[tok, slot].unsqueeze(1)
-        w13 = dequantize_tiled(w13_qweight[e], w13_absmax[e], codebook, bits, 2 * i, h, x.dtype)
-        w2 = dequantize_tiled(w2_qweight[e], w2_absmax[e], codebook, bits, h, i, x.dtype)
+        w13, w2 = weights(e)
+        i = w2.shape[1]
         gate_up = x[tok].float() @ w13.float().t()
         if apply_router_weight_on_input:
             gate_up = gate_up * weight
