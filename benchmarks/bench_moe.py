@@ -427,18 +427,18 @@ def main(argv=None) -> int:
     print(f"device {meta.get('device')}, torch {torch.__version__}, kbit {backend}, vllm "
           f"{meta.get('vllm')}; " + "; ".join(notes), flush=True)  # fmt: skip
 
-    name = f"bench_moe{('_' + a.tag) if a.tag else ''}"
+    out_stem = f"bench_moe{('_' + a.tag) if a.tag else ''}"
 
     def write_results() -> str:
         """(Re)writes the JSON and markdown with everything measured so far: a run cut short by
         the caller's timeout still leaves its files."""
         meta["elapsed_s"] = round(time.monotonic() - t0, 1)
         a.out.mkdir(parents=True, exist_ok=True)
-        (a.out / f"{name}.json").write_text(json.dumps(
+        (a.out / f"{out_stem}.json").write_text(json.dumps(
             {"meta": meta, "notes": notes, "checks": checks, "points": [asdict(p) for p in points]},
             indent=1))  # fmt: skip
         md = markdown(points, meta, notes, checks, shapes)
-        (a.out / f"{name}.md").write_text(md)
+        (a.out / f"{out_stem}.md").write_text(md)
         return md
 
     def stop(what: str) -> None:
@@ -500,16 +500,16 @@ def main(argv=None) -> int:
                     x = torch.randn(m, h, device=dev).to(dtype)
                     want = reference_moe.moe_tiled(x, *w, tw, ids, None, bits, i, "silu", False)
                     for pth, kw in variants:
-                        name = pth + (" (3 chunks)" if kw else "")
+                        label = pth + (" (3 chunks)" if kw else "")
                         try:
                             err = rel_err(kbit_fn(x, w, tw, ids, bits, i, pth, **kw)(), want)
                         except Exception as ex:  # noqa: BLE001  (e.g. vLLM absent: dequant n/a)
-                            notes.append(f"check {sh} k={bits} M={m} {name}: {type(ex).__name__}: "
+                            notes.append(f"check {sh} k={bits} M={m} {label}: {type(ex).__name__}: "
                                          f"{str(ex)[:160]}")  # fmt: skip
                             continue
-                        checks.append({"shape": sh, "bits": bits, "m": m, "path": name,
+                        checks.append({"shape": sh, "bits": bits, "m": m, "path": label,
                                        "rel_err_vs_reference": err, "ok": err < 2e-2})  # fmt: skip
-                        print(f"check {sh} k={bits} M={m} {name}: rel err vs reference {err:.2e}",
+                        print(f"check {sh} k={bits} M={m} {label}: rel err vs reference {err:.2e}",
                               flush=True)  # fmt: skip
                 if bits == bits_list[0] and (vllm_make or "torch" in base):
                     ref_w = (dequant_experts(w, bits, h, i, dtype), w)

@@ -67,7 +67,7 @@ def test_markdown_kbit_series() -> None:
 def test_dispatch_dry_check(capsys: pytest.CaptureFixture) -> None:
     bm.dispatch_dry_check(["qwen3", "mixtral"], torch.bfloat16)
     out = capsys.readouterr().out
-    assert "qwen3 (Qwen3-30B-A3B): dequant path from M=2048" in out
+    assert "qwen3 (Qwen3-30B-A3B): dequant path from M=4096" in out
     assert "1 chunk(s) of [128] experts" in out
     assert "mixtral (Mixtral-8x7B): dequant path from M=1024" in out
     assert "2 chunk(s) of [4, 4] experts" in out

@@ -157,8 +157,8 @@ def test_forced_threshold_small_t(monkeypatch, shape: str) -> None:
 
 
 def test_default_dispatch(monkeypatch) -> None:
-    """Default thresholds (T >= 1024 and >= 128 tokens per expert): Qwen3-like routing takes
-    the kernel at T = 1024 (64 per expert) and the dequant path at 3000; Mixtral-like takes
+    """Default thresholds (T >= 1024 and >= 256 tokens per expert): Qwen3-like routing takes
+    the kernel at T = 3000 (187 per expert) and the dequant path at 4096; Mixtral-like takes
     it at 1024 (256 per expert), not at 1023."""
     calls = []
 
@@ -167,7 +167,7 @@ def test_default_dispatch(monkeypatch) -> None:
         return moe_dispatch.vllm_fused_experts(*args)
 
     monkeypatch.setitem(moe_dispatch.GROUPED_GEMMS, "cuda", counting)
-    for shape, t, dequant in [("qwen3_like", 1024, False), ("qwen3_like", 3000, True),
+    for shape, t, dequant in [("qwen3_like", 3000, False), ("qwen3_like", 4096, True),
                               ("mixtral_like", 1023, False), ("mixtral_like", 1024, True)]:  # fmt: skip
         e, topk, h, i = SHAPES[shape]
         ex = _experts(e, h, i, 4)

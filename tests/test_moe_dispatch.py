@@ -89,11 +89,11 @@ def test_chunk_experts_real_layers_at_default_cap():
 
 
 def test_use_dequant_thresholds():
-    assert moe_dispatch.DEQUANT_MIN_M == 1024 and moe_dispatch.DEQUANT_MIN_TPE == 128
-    # Qwen3-30B-A3B routing (128 experts, top-8): 128 tokens per expert from T = 2048
+    assert moe_dispatch.DEQUANT_MIN_M == 1024 and moe_dispatch.DEQUANT_MIN_TPE == 256
+    # Qwen3-30B-A3B routing (128 experts, top-8): 256 tokens per expert from T = 4096
     assert not use_dequant(1024, 8, 128)
-    assert not use_dequant(2047, 8, 128)
-    assert use_dequant(2048, 8, 128)
+    assert not use_dequant(4095, 8, 128)
+    assert use_dequant(4096, 8, 128)
     # Mixtral (8 experts, top-2): the T floor decides
     assert not use_dequant(1023, 2, 8) and use_dequant(1024, 2, 8)
     # explicit thresholds; expert parallelism: tokens per expert counts global experts

@@ -11,7 +11,7 @@ runs them (benchmarks/bench_moe.py times this same function). Same arguments and
   vLLM's bf16/fp16 Triton ``fused_experts`` on them.
 
 Settings: module constants read at import, each with an environment override:
-  ``KBIT_MOE_DEQUANT_MIN_M`` (default 1024) and ``KBIT_MOE_DEQUANT_MIN_TPE`` (128): the dequant
+  ``KBIT_MOE_DEQUANT_MIN_M`` (default 1024) and ``KBIT_MOE_DEQUANT_MIN_TPE`` (256): the dequant
   path needs T >= MIN_M tokens and T * topk >= MIN_TPE * global_E, i.e. at least MIN_TPE
   tokens per expert on average (0 and 0: always; a huge MIN_M: never).
   ``KBIT_MOE_DEQUANT_MAX_MIB`` (1536): the most dequantized expert weights held at once.
@@ -57,7 +57,11 @@ def _env_int(name: str, default: int) -> int:
 
 
 DEQUANT_MIN_M = _env_int("KBIT_MOE_DEQUANT_MIN_M", 1024)
-DEQUANT_MIN_TPE = _env_int("KBIT_MOE_DEQUANT_MIN_TPE", 128)
+# 256 tokens per expert: measured crossover on an H100, k=4 (bench_moe_h100__s5_largem.md).
+# Qwen3-30B-A3B: at 128 per expert (T=2048) the fused kernel wins (987 vs 1182 us), at 256
+# (T=4096) the dequant path (1473 vs 1848 us); Mixtral at 256 (T=1024) ties (3284 vs 3217 us)
+# and at 512 the dequant path wins (4803 vs 6332 us).
+DEQUANT_MIN_TPE = _env_int("KBIT_MOE_DEQUANT_MIN_TPE", 256)
 # The whole layer in one fused_experts call is fastest: each call also allocates, runs the
 # activation on, zeroes and top-k-sums all T * topk rows of its caches, whichever experts it
 # holds. 1536 MiB takes Qwen3-30B-A3B's 128 experts at TP1 (1152 MiB in bf16) in one call and
