@@ -418,6 +418,26 @@ struct RingConfig {
     bool cluster = false;  // and the GPU co-schedules a cluster of `cluster_y` CTAs along y
 };
 
+// Can the GPU co-schedule a (1, cluster_y, 1) cluster of this kernel (the split-K CTAs of one
+// output tile reducing over DSMEM)? If not, callers fall back to a workspace reduction.
+template <typename Kernel>
+inline bool cluster_fits(Kernel kernel, int threads, int smem, int cluster_y) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(1, cluster_y, 1);
+    cfg.blockDim = dim3(threads);
+    cfg.dynamicSmemBytes = smem;
+    cudaLaunchAttribute attr;
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = 1, attr.val.clusterDim.y = cluster_y, attr.val.clusterDim.z = 1;
+    cfg.attrs = &attr, cfg.numAttrs = 1;
+    int clusters = 0;
+    if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess) {
+        (void)cudaGetLastError();  // no clusters on this GPU / build
+        return false;
+    }
+    return clusters > 0;
+}
+
 // Table copies, ring stages and dynamic shared memory: prefers a conflict-free table (32 copies),
 // then `max_ctas` CTAs/SM (16 warps hide LDS/MMA latency), then >= 3 stages. `stage_bytes` is one
 // ring slot, `out_bytes` the epilogue tile (it reuses the ring), `static_bytes` the kernel's
@@ -454,22 +474,8 @@ RingConfig configure_ring(Kernel kernel, int dev, int bits, int threads, int sta
     C10_CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel));
     c.sms = prop.multiProcessorCount;
     c.sm90 = fa.binaryVersion >= 90 && fa.ptxVersion >= 90;
-    if (c.sm90) {  // can the GPU co-schedule the largest cluster (one GPC)?
-        cudaLaunchConfig_t cfg = {};
-        cfg.gridDim = dim3(1, cluster_y, 1);
-        cfg.blockDim = dim3(threads);
-        cfg.dynamicSmemBytes = c.smem;
-        cudaLaunchAttribute attr;
-        attr.id = cudaLaunchAttributeClusterDimension;
-        attr.val.clusterDim.x = 1, attr.val.clusterDim.y = cluster_y, attr.val.clusterDim.z = 1;
-        cfg.attrs = &attr, cfg.numAttrs = 1;
-        int clusters = 0;
-        if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess) {
-            (void)cudaGetLastError();  // no clusters here: the caller uses a workspace reduction
-            clusters = 0;
-        }
-        c.cluster = clusters > 0;
-    }
+    // can the GPU co-schedule the largest cluster (one GPC)?
+    if (c.sm90) c.cluster = cluster_fits(kernel, threads, c.smem, cluster_y);
     return c;
 }
 

@@ -313,22 +313,7 @@ WgConfig configure(int dev) {
     C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, wg::kThreads, c.smem));
     TORCH_CHECK(ctas >= 1, "kbit::mma (KBIT_MMA_WGMMA=2): the kernel does not fit on this GPU");
     c.sms = prop.multiProcessorCount;
-    {  // can the GPU co-schedule the largest split-K cluster of this kernel?
-        cudaLaunchConfig_t cfg = {};
-        cfg.gridDim = dim3(1, kMaxSplits, 1);
-        cfg.blockDim = dim3(wg::kThreads);
-        cfg.dynamicSmemBytes = c.smem;
-        cudaLaunchAttribute attr;
-        attr.id = cudaLaunchAttributeClusterDimension;
-        attr.val.clusterDim.x = 1, attr.val.clusterDim.y = kMaxSplits, attr.val.clusterDim.z = 1;
-        cfg.attrs = &attr, cfg.numAttrs = 1;
-        int clusters = 0;
-        if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess) {
-            (void)cudaGetLastError();  // no clusters: the workspace reduction is used
-            clusters = 0;
-        }
-        c.cluster = clusters > 0;
-    }
+    c.cluster = cluster_fits(kernel, wg::kThreads, c.smem, kMaxSplits);  // split-K over DSMEM?
     cache.emplace(dev, c);
     return c;
 }

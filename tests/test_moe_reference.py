@@ -222,7 +222,8 @@ def _bad(kind: str, args: list) -> list:
     return args
 
 
-@pytest.mark.parametrize("kind,msg", [
+# (kind, the error message it must give): one bad argument each, built by _bad
+BAD_INPUTS = [
     ("x_dtype", "x must be float16 or bfloat16"), ("x_dim", r"x must be 2-D"),
     ("x_hidden", "hidden size 48"), ("q13_dtype", "w13_qweight must be torch.int32"),
     ("q13_shape", r"w13_qweight must be .*\[E, 1024\]"), ("a13_dtype", "w13_absmax must be"),
@@ -236,7 +237,10 @@ def _bad(kind: str, args: list) -> list:
     ("inter_size", "w13_qweight must be"), ("inter_size_odd", "inter_size must be a positive"),
     ("activation", "activation must be one of"),
     ("on_input_topk2", "apply_router_weight_on_input needs topk == 1"),
-])  # fmt: skip
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("kind,msg", BAD_INPUTS)
 def test_bad_input_names_the_problem(kind, msg):
     ex = make_experts(3, 64, 32, 4)
     x = torch.randn(4, 64).to(torch.bfloat16)

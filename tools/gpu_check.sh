@@ -9,8 +9,8 @@ export PYTHONUNBUFFERED=1 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 # (tools/exc_diag.py); tests that expect a CUDA op to raise are skipped there.
 export KBIT_SKIP_CXX_ERROR_TESTS=1
 T0=$SECONDS
-# A fresh machine's first pinned host allocation can take minutes (tools/vllm_prewarm.py): pay it
-# here, next to the build, instead of in the first vLLM engine start. Waited for at the end.
+# Times the first pinned host allocation (tools/vllm_prewarm.py; it does not prevent vLLM's
+# first-start stall, see there). Runs next to the build; waited for at the end.
 python3 tools/vllm_prewarm.py > "$OUT/prewarm.log" 2>&1 &
 PREWARM=$!
 if ! python3 -c "import vllm_kbit._C" 2>/dev/null; then

@@ -1,4 +1,4 @@
-"""Pay a fresh GPU machine's first-start stall without vLLM: make the first pinned host allocation.
+"""Time a fresh GPU machine's first pinned host allocation (it does not prevent the vLLM stall).
 
 Evidence (2026-11-22, two fresh H100 machines, vLLM 0.26.0, torch 2.11.0+cu130, driver 580):
 - The 3-7+ min stall after "Using V2 Model Runner" is NOT driver PTX JIT. ~/.nv/ComputeCache
@@ -14,9 +14,12 @@ Evidence (2026-11-22, two fresh H100 machines, vLLM 0.26.0, torch 2.11.0+cu130, 
 - On another fresh H100 the first engine start ran about 9 min after boot and did not stall.
   So this is a per-machine or time-since-boot effect, not a per-process one. Later starts on
   the same machine take ~40 s.
-Not proven: that this script's allocation clears the stall for a later vLLM process. It makes
-the same call through the same allocator, so it should either absorb the stall or wait out
-the same window.
+It does NOT clear the stall (session 5, another fresh H100): this script's pinned allocation
+took 0.0 s in the first call after boot, and the first vLLM engine start ~7 min later still sat
+after "Using V2 Model Runner" for over 300 s (the warm-up was killed there); servers started ~2
+min later came up normally. So a plain pinned torch allocation is not what stalls; the stall is
+something in the engine's first start within a window after boot. Still cheap, so still run;
+budget for the stall in the first vLLM start of a machine (the warm-up, 420 s limit).
 
 Use it on the GPU machine in the first call, alongside CPU work such as building the extension
 (torch from the image is enough; vLLM is not needed):
