@@ -53,10 +53,39 @@ SQNR_TOL_DB = 0.5
 REL_ERR_LIMIT = 1e-2
 CHECK_MS = {"gemv": (1, 3, 8), "mma": (1, 16, 100), "mma_wg": (64, 100, 300),
             "mma_wg2": (64, 100, 300, 1000), "dequant": (64,), "linear": (1, 5, 64, 300)}  # fmt: skip
-WG_MIN_M = 33  # the wgmma paths (mma_wg, mma_wg2) are timed above M = 32
+WG_MIN_M = 33  # the wgmma paths (mma_wg, mma_wg2, mma_wg2_c<N>) are timed above M = 32
 # KBIT_MMA_WGMMA per wgmma-related path: mma_wg = the first wgmma variant of kbit::mma, mma_wg2 =
 # the warp-specialized kernel (csrc/wgmma_gemm.cu); with --wgmma, "mma" is the mma.sync variant.
 WG_FLAGS = {"mma": "0", "mma_wg": "1", "mma_wg2": "2"}
+# --wgmma2-config: the warp-specialized kernel with its tile configuration forced
+# (KBIT_WGMMA_CONFIG=N), timed as path mma_wg2_c<N>: 1 = C1 128 rows x 64 tokens, 2 = C2 128 x 128,
+# 3 = C3 256 x 128, 4 = C1w 256 x 64 (docs/wgmma-plan.md, sections 4 and 9).
+WG2_CONFIGS = (1, 2, 3, 4)
+WG2_PREFIX = "mma_wg2_c"
+
+
+def wg2_config_path(config: int) -> str:
+    return f"{WG2_PREFIX}{config}"
+
+
+def wg2_config_of(path: str) -> int | None:
+    """N for the path mma_wg2_c<N>, else None."""
+    if path.startswith(WG2_PREFIX) and path[len(WG2_PREFIX) :].isdigit():
+        c = int(path[len(WG2_PREFIX) :])
+        return c if c in WG2_CONFIGS else None
+    return None
+
+
+def is_wg_path(path: str) -> bool:
+    """A wgmma path (timed above M = 32 only): mma_wg, mma_wg2 or mma_wg2_c<N>."""
+    return path in ("mma_wg", "mma_wg2") or wg2_config_of(path) is not None
+
+
+def check_ms(path: str) -> tuple[int, ...]:
+    """M values at which a path is checked against the fp32 oracle."""
+    return CHECK_MS["mma_wg2" if wg2_config_of(path) is not None else path]
+
+
 H100 = {"l2": 50e6, "bw": 3.0e12, "flops": 600e12}  # for --dry-run estimates only
 
 
@@ -97,6 +126,8 @@ class Config:
     interleave: bool = False  # time the kbit paths of a (shape, k, M) in rotating rounds
     wgmma: bool = False  # also time kbit::mma's wgmma variant as the path "mma_wg"
     wgmma2: bool = False  # and its warp-specialized wgmma kernel as "mma_wg2" (implies wgmma)
+    # the warp-specialized kernel with KBIT_WGMMA_CONFIG forced, as "mma_wg2_c<N>" (implies wgmma)
+    wgmma2_configs: list[int] = field(default_factory=list)
     time_budget_s: float = 420.0
     vllm_ops_lib: str | None = None
     allow_reference: bool = False
@@ -169,6 +200,11 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     add("--wgmma2", action="store_true",
         help="also time kbit::mma's warp-specialized wgmma kernel (KBIT_MMA_WGMMA=2, sm_90a builds)\n"
              "as path mma_wg2, M > 32; implies --wgmma")
+    add("--wgmma2-config", dest="wgmma2_configs",
+        help="comma list of tile configurations of the warp-specialized kernel to time side by side,\n"
+             "each forced (KBIT_MMA_WGMMA=2 KBIT_WGMMA_CONFIG=N) as path mma_wg2_c<N>, M > 32:\n"
+             "1 = C1 128x64, 2 = C2 128x128, 3 = C3 256x128, 4 = C1w 256x64; implies --wgmma\n"
+             "(mma_wg2, the kernel's own choice, only with --wgmma2 too)")
     add("--time-budget-s", type=float, default=420.0, help="start no new shape/k after this")
     add("--vllm-ops-lib", help="vLLM's _C_stable_libtorch.abi3.so (or .xz), if vllm won't import")
     add("--allow-reference", action="store_true", help="run without vllm_kbit._C (slow)")
@@ -190,9 +226,15 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     base = [b.strip() for b in a.baselines.split(",") if b.strip() and b.strip() != "none"]
     if any(b not in ("fp16", "marlin", "machete") for b in base):
         raise SystemExit(f"--baselines: subset of fp16,marlin,machete or none, got {a.baselines!r}")
-    lists = {"shapes": shapes, "bits": bits, "ms": ms, "ms_70b": ms_70b, "baselines": base}
+    wg2c = [] if a.wgmma2_configs is None else _ints(a.wgmma2_configs, "wgmma2-config")
+    if any(c not in WG2_CONFIGS for c in wg2c):
+        raise SystemExit(
+            f"--wgmma2-config: configurations are {WG2_CONFIGS}, got {a.wgmma2_configs!r}"
+        )
+    lists = {"shapes": shapes, "bits": bits, "ms": ms, "ms_70b": ms_70b, "baselines": base,
+             "wgmma2_configs": wg2c}  # fmt: skip
     rest = {f.name: getattr(a, f.name) for f in fields(Config) if f.name not in lists}
-    rest["wgmma"] = rest["wgmma"] or rest["wgmma2"]
+    rest["wgmma"] = rest["wgmma"] or rest["wgmma2"] or bool(wg2c)
     rest["min_reps"] = max(1, rest["min_reps"])
     rest["max_reps"] = max(rest["min_reps"], rest["max_reps"])
     return Config(**lists, **rest)
@@ -208,14 +250,16 @@ def dense_methods(cfg: Config) -> list[str]:
 
 
 def kbit_paths(cfg: Config, m: int | None = None) -> list[str]:
-    """The kbit paths timed (at M = m: gemv up to --gemv-max-m, mma_wg / mma_wg2 above M = 32)."""
+    """The kbit paths timed (at M = m: gemv up to --gemv-max-m, the wgmma paths mma_wg, mma_wg2
+    and mma_wg2_c<N> above M = 32)."""
     paths = list(KBIT_PATHS)
     wg = (["mma_wg"] if cfg.wgmma else []) + (["mma_wg2"] if cfg.wgmma2 else [])
+    wg += [wg2_config_path(c) for c in cfg.wgmma2_configs]
     paths[paths.index("mma") + 1 : paths.index("mma") + 1] = wg
     if m is None:
         return paths
     return [p for p in paths
-            if (p != "gemv" or m <= cfg.gemv_max_m) and (p not in ("mma_wg", "mma_wg2") or m >= WG_MIN_M)]  # fmt: skip
+            if (p != "gemv" or m <= cfg.gemv_max_m) and (not is_wg_path(p) or m >= WG_MIN_M)]  # fmt: skip
 
 
 def plan(cfg: Config) -> list[tuple[Shape, str, int | None, int]]:
@@ -362,8 +406,8 @@ def new_point(sh: Shape, method: str, bits: int | None, m: int, **kw: object) ->
 
 def _timing_kw(run: Run) -> dict[str, object]:
     c = run.cfg
-    return dict(warmup=c.warmup, min_reps=c.min_reps, max_reps=c.max_reps,
-                target_s=c.target_ms / 1e3, use_graph=c.use_graph, cuda=run.dev.type == "cuda")  # fmt: skip
+    return {"warmup": c.warmup, "min_reps": c.min_reps, "max_reps": c.max_reps,
+            "target_s": c.target_ms / 1e3, "use_graph": c.use_graph, "cuda": run.dev.type == "cuda"}  # fmt: skip
 
 
 def measure(run: Run, sh: Shape, method: str, bits: int | None, m: int,
@@ -504,21 +548,31 @@ def check_int4(run: Run, sh: Shape, meth: str, factory: Factory, w_ref: torch.Te
 def kbit_fn(path: str, x: torch.Tensor, qt: torch.Tensor, at: torch.Tensor, cb: torch.Tensor,
             bits: int, n: int, wgmma: bool = False) -> Callable[[], torch.Tensor]:  # fmt: skip
     """One call of a kbit path. wgmma (--wgmma): "mma" is kbit::mma's mma.sync variant alone
-    (KBIT_MMA_WGMMA=0), "mma_wg" its wgmma variant (=1) and "mma_wg2" its warp-specialized
-    wgmma kernel (=2); otherwise "mma" is the op as it chooses by shape."""
+    (KBIT_MMA_WGMMA=0), "mma_wg" its wgmma variant (=1), "mma_wg2" its warp-specialized
+    wgmma kernel (=2) and "mma_wg2_c<N>" that kernel with configuration N forced
+    (KBIT_WGMMA_CONFIG=N); otherwise "mma" is the op as it chooses by shape."""
     if path == "dequant":
         k, dq = x.shape[1], torch.ops.kbit.dequantize_tiled
         return lambda: torch.matmul(x, dq(qt, at, cb, bits, n, k, x.dtype).t())
-    if path in ("mma_wg", "mma_wg2") or (path == "mma" and wgmma):
-        # the op reads KBIT_MMA_WGMMA per call (also while a graph is captured)
-        flag = WG_FLAGS[path]
+    config = wg2_config_of(path)
+    if is_wg_path(path) or (path == "mma" and wgmma):
+        # the op reads KBIT_MMA_WGMMA and KBIT_WGMMA_CONFIG per call (also while a graph is
+        # captured); both are restored afterwards
+        env = {"KBIT_MMA_WGMMA": WG_FLAGS["mma_wg2" if config is not None else path]}
+        if config is not None:
+            env["KBIT_WGMMA_CONFIG"] = str(config)
 
         def mma() -> torch.Tensor:
-            os.environ["KBIT_MMA_WGMMA"] = flag
+            saved = {k: os.environ.get(k) for k in env}
+            os.environ.update(env)
             try:
                 return torch.ops.kbit.mma(x, qt, at, cb, bits, n)
             finally:
-                os.environ.pop("KBIT_MMA_WGMMA", None)
+                for k, v in saved.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
 
         return mma
     op = getattr(torch.ops.kbit, path)
@@ -562,10 +616,8 @@ def check_kbit(run: Run, sh: Shape, bits: int, w: torch.Tensor, qt: torch.Tensor
         abs(sqnr - SQNR_DB[bits]) <= SQNR_TOL_DB,
         expect,
     )
-    for path, ms in CHECK_MS.items():
-        if path not in kbit_paths(run.cfg):
-            continue
-        for m in [m for m in ms if path in kbit_paths(run.cfg, m)]:
+    for path in kbit_paths(run.cfg):
+        for m in [m for m in check_ms(path) if path in kbit_paths(run.cfg, m)]:
             x = torch.randn(m, sh.k, device=run.dev, dtype=run.act)
             y, why = attempt(run, kbit_fn(path, x, qt, at, cb, bits, sh.n, run.cfg.wgmma))
             if y is None:
@@ -660,9 +712,10 @@ def _ratio(a: float | None, b: float | None) -> str:
 
 
 def best_kbit(idx: dict[tuple, Point], model: str, shape: str, bits: int, m: int) -> Point | None:
-    """The fastest individual kbit kernel path (gemv, mma, mma_wg, mma_wg2, dequant); linear is
-    the dispatching op and is compared with it, not counted as a path of its own."""
-    paths = ("gemv", "mma", "mma_wg", "mma_wg2", "dequant")
+    """The fastest individual kbit kernel path (gemv, mma, mma_wg, mma_wg2, mma_wg2_c<N>,
+    dequant); linear is the dispatching op and is compared with it, not counted as a path of
+    its own."""
+    paths = ("gemv", "mma", "mma_wg", "mma_wg2", *map(wg2_config_path, WG2_CONFIGS), "dequant")
     cands = [idx.get((model, shape, bits, p, m)) for p in paths]
     cands = [p for p in cands if p is not None and p.ok]
     return min(cands, key=lambda p: p.us) if cands else None

@@ -22,8 +22,9 @@
 //    Split-K over grid y where the grid would not fill the GPU, reduced as mma.cu does: through
 //    distributed shared memory in a cluster of the splits, else an fp32 workspace + reduce kernel.
 // Configurations (rows = 2 RWG per CTA x TN tokens): C1 128 x 64 (M <= 64), C2 128 x 128,
-// C3 256 x 128. Device code exists only for sm_90a; other device passes compile a trap, and the
-// host refuses (clear error) unless this build has sm_90a code and the GPU is sm_90.
+// C3 256 x 128, C1w 256 x 64 (M <= 64 with KBIT_WGMMA_C1W=1, or forced: KBIT_WGMMA_CONFIG=4).
+// Device code exists only for sm_90a; other device passes compile a trap, and the host refuses
+// (clear error) unless this build has sm_90a code and the GPU is sm_90.
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -402,35 +403,32 @@ void run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& absma
     }
 }
 
-// Tile configuration (rows x tokens per CTA): 1 = 128 x 64, 2 = 128 x 128, 3 = 256 x 128.
-// By M: up to 64 tokens C1; up to 128 C2 where 256-row blocks would leave SMs idle (it gives
-// twice the CTAs), else C3, whose 256 rows read each x tile once for twice the weights (x bytes
-// per weight 1 instead of 2: the L2 traffic that limits the first wgmma variant).
-// KBIT_WGMMA_CONFIG=1/2/3 forces one (tests, tuning).
+// Tile configuration (wg::pick_config, checked on the CPU): KBIT_WGMMA_CONFIG=1/2/3/4 forces
+// C1 = 128 x 64, C2 = 128 x 128, C3 = 256 x 128 or C1w = 256 x 64 (tests, tuning); unset = by M,
+// C1w for M <= 64 only with KBIT_WGMMA_C1W=1 until it has been measured against C1.
 int choose_config(int64_t M, int64_t n_tiles, int sms) {
     const int forced = env_int("KBIT_WGMMA_CONFIG", 0);
-    TORCH_CHECK(forced >= 0 && forced <= 3, "kbit::mma: KBIT_WGMMA_CONFIG must be 1, 2 or 3, got ",
-                forced);
-    if (forced) return forced;
-    if (M <= 64) return 1;
-    if (M <= 128 && ceil_div(n_tiles, 16) < sms) return 2;
-    return 3;
+    TORCH_CHECK(forced >= 0 && forced <= wg::kNumConfigs,
+                "kbit::mma: KBIT_WGMMA_CONFIG must be 1, 2, 3 or 4, got ", forced);
+    return wg::pick_config(M, n_tiles, sms, forced, env_int("KBIT_WGMMA_C1W", 0) == 1);
+}
+
+template <int BITS, int C>
+void run_config(bool bf16, const at::Tensor& x, const at::Tensor& q, const at::Tensor& a,
+                const at::Tensor& cb, at::Tensor& y, const TiledShape& s) {
+    constexpr int RWG = wg::config_rwg(C), TN = wg::config_tn(C);
+    if (bf16) run<BITS, RWG, TN, true>(x, q, a, cb, y, s);
+    else run<BITS, RWG, TN, false>(x, q, a, cb, y, s);
 }
 
 template <int BITS>
 void run_bits(int config, bool bf16, const at::Tensor& x, const at::Tensor& q, const at::Tensor& a,
               const at::Tensor& cb, at::Tensor& y, const TiledShape& s) {
-    auto go = [&](auto rwg, auto tn) {
-        constexpr int RWG = decltype(rwg)::value, TN = decltype(tn)::value;
-        if (bf16) run<BITS, RWG, TN, true>(x, q, a, cb, y, s);
-        else run<BITS, RWG, TN, false>(x, q, a, cb, y, s);
-    };
-    using I64 = std::integral_constant<int, 64>;
-    using I128 = std::integral_constant<int, 128>;
     switch (config) {
-        case 1: go(I64{}, I64{}); break;
-        case 2: go(I64{}, I128{}); break;
-        default: go(I128{}, I128{}); break;
+        case wg::kC1: run_config<BITS, wg::kC1>(bf16, x, q, a, cb, y, s); break;
+        case wg::kC2: run_config<BITS, wg::kC2>(bf16, x, q, a, cb, y, s); break;
+        case wg::kC1w: run_config<BITS, wg::kC1w>(bf16, x, q, a, cb, y, s); break;
+        default: run_config<BITS, wg::kC3>(bf16, x, q, a, cb, y, s); break;
     }
 }
 

@@ -115,6 +115,25 @@ __host__ __device__ constexpr uint32_t empty_parity(int it, int stages) {
     return full_parity(it, stages) ^ 1u;
 }
 
+// Tile configurations (KBIT_WGMMA_CONFIG), rows x tokens per CTA = 2 RWG x TN:
+// C1 = 128 x 64, C2 = 128 x 128, C3 = 256 x 128, C1w = 256 x 64 (docs/wgmma-plan.md, section 4).
+enum TileConfig : int { kC1 = 1, kC2 = 2, kC3 = 3, kC1w = 4, kNumConfigs = 4 };
+__host__ __device__ constexpr int config_rwg(int c) { return c == kC3 || c == kC1w ? 128 : 64; }
+__host__ __device__ constexpr int config_tn(int c) { return c == kC1 || c == kC1w ? 64 : 128; }
+
+// The configuration for M tokens and n_tiles 16-row weight tiles on `sms` SMs. forced (1..4,
+// KBIT_WGMMA_CONFIG) wins; 0 = by M: up to 64 tokens C1, or C1w where c1w (KBIT_WGMMA_C1W=1,
+// opt-in until measured: 256 rows read each x tile once for twice the weights, half the CTAs);
+// up to 128 C2 where 256-row blocks would leave SMs idle (it gives twice the CTAs), else C3,
+// whose 256 rows halve the x bytes per weight (the L2 traffic that limits the first variant).
+__host__ __device__ constexpr int pick_config(long long m, long long n_tiles, int sms, int forced,
+                                              bool c1w) {
+    return forced ? forced
+           : m <= 64 ? (c1w ? kC1w : kC1)
+           : m <= 128 && (n_tiles + 15) / 16 < sms ? kC2
+                                                   : kC3;
+}
+
 // Split-K: CTA y of `splits` takes k-tiles [y * kchunk, y * kchunk + count); the host makes
 // every split non-empty (splits = ceil(k_tiles / kchunk)).
 struct KRange {

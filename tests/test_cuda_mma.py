@@ -324,10 +324,11 @@ def test_wgmma_real_shapes_and_splits(monkeypatch, m: int) -> None:
 # ------------------------------------- warp-specialized wgmma kernel (KBIT_MMA_WGMMA=2, sm_90a)
 # csrc/wgmma_gemm.cu: producer warpgroup (bulk copies + TMA), two consumer warpgroups (register
 # A, wgmma), mbarrier ring. Configurations (KBIT_WGMMA_CONFIG): 1 = 128 rows x 64 tokens,
-# 2 = 128 x 128, 3 = 256 x 128; unset = by M. First on a new build: test_ws_smoke (a protocol
-# bug traps after 20 s instead of hanging; the process's CUDA context is then lost).
+# 2 = 128 x 128, 3 = 256 x 128, 4 = C1w 256 x 64; unset = by M (C1w for M <= 64 only with
+# KBIT_WGMMA_C1W=1). First on a new build: test_ws_smoke (a protocol bug traps after 20 s
+# instead of hanging; the process's CUDA context is then lost).
 
-WS_CONFIGS = ["1", "2", "3"]
+WS_CONFIGS = ["1", "2", "3", "4"]
 WS_MS = [1, 17, 64, 65, 100, 127, 128, 129, 200, 256, 300, 1000]
 
 
@@ -335,7 +336,7 @@ WS_MS = [1, 17, 64, 65, 100, 127, 128, 129, 200, 256, 300, 1000]
 def ws(monkeypatch):
     """KBIT_MMA_WGMMA=2 with the default split-K and configuration."""
     monkeypatch.setenv("KBIT_MMA_WGMMA", "2")
-    for var in ("KBIT_WGMMA_CONFIG", "KBIT_MMA_SPLITS", "KBIT_MMA_NO_CLUSTER"):
+    for var in ("KBIT_WGMMA_CONFIG", "KBIT_WGMMA_C1W", "KBIT_MMA_SPLITS", "KBIT_MMA_NO_CLUSTER"):
         monkeypatch.delenv(var, raising=False)
     return monkeypatch
 
@@ -460,6 +461,63 @@ def test_ws_strided_and_misaligned_x(ws) -> None:
     shifted[:, 1:] = x
     for view in [wide[:, :k], odd[:, :k], shifted[:, 1:]]:
         assert torch.equal(_mma(view, qt, at, cb, bits, n), y)
+
+
+@wgmma
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ws_c1w_real_shapes(ws, dtype: torch.dtype) -> None:
+    # C1w (256 rows x 64 tokens) where it is meant to run, M <= 64: 8B gate_up (112 row blocks),
+    # qkv, down (16 row blocks: split-K through a cluster) and 70B o; default and forced split-K,
+    # cluster and workspace reductions bitwise equal
+    ws.setenv("KBIT_WGMMA_CONFIG", "4")
+    for n, k, bits in [(28672, 4096, 4), (6144, 4096, 3), (4096, 14336, 2), (8192, 8192, 5)]:
+        qt, at, cb, w32 = _quantized(n, k, bits, device="cuda")
+        for m in [1, 33, 64]:
+            x = _x(m, k, dtype, seed=m + bits)
+            _check(_mma(x, qt, at, cb, bits, n), x, w32)
+            ws.setenv("KBIT_MMA_SPLITS", "4")
+            y4 = _mma(x, qt, at, cb, bits, n)
+            _check(y4, x, w32)
+            ws.setenv("KBIT_MMA_NO_CLUSTER", "1")
+            assert torch.equal(_mma(x, qt, at, cb, bits, n), y4)  # same partials, same order
+            ws.delenv("KBIT_MMA_SPLITS")
+            ws.delenv("KBIT_MMA_NO_CLUSTER")
+        _quantized.cache_clear()
+
+
+@wgmma
+@pytest.mark.parametrize("m,c1w,want", [(1, "1", "4"), (64, "1", "4"), (64, "0", "1"),
+                                        (64, None, "1"), (65, "1", None), (200, "1", None)])  # fmt: skip
+def test_ws_c1w_switch(ws, m: int, c1w: str | None, want: str | None) -> None:
+    # KBIT_WGMMA_CONFIG unset: M <= 64 takes C1, or C1w with KBIT_WGMMA_C1W=1 (opt-in until it
+    # is measured); above 64 tokens the switch changes nothing. Same configuration => same
+    # kernel and split-K => bitwise equal outputs (C1 and C1w split the n dimension differently
+    # and pick different split-K counts here, so they need not agree bit for bit).
+    n, k, bits = 4096, 4096, 4
+    qt, at, cb, w32 = _quantized(n, k, bits, device="cuda")
+    x = _x(m, k, torch.float16, seed=m)
+    if c1w is not None:
+        ws.setenv("KBIT_WGMMA_C1W", c1w)
+    y = _mma(x, qt, at, cb, bits, n)
+    _check(y, x, w32)
+    if want is None:  # compare with the switch off
+        ws.delenv("KBIT_WGMMA_C1W")
+        assert torch.equal(_mma(x, qt, at, cb, bits, n), y)
+    else:
+        ws.delenv("KBIT_WGMMA_C1W", raising=False)
+        ws.setenv("KBIT_WGMMA_CONFIG", want)
+        assert torch.equal(_mma(x, qt, at, cb, bits, n), y)
+    _quantized.cache_clear()
+
+
+@wgmma
+@pytest.mark.cxx_errors
+def test_ws_bad_config_is_a_clear_error(ws) -> None:
+    n, k, bits = 64, 256, 4
+    qt, at, cb, _ = _quantized(n, k, bits)
+    ws.setenv("KBIT_WGMMA_CONFIG", "5")
+    with pytest.raises(RuntimeError, match="KBIT_WGMMA_CONFIG must be 1, 2, 3 or 4"):
+        _mma(_x(64, k, torch.float16), qt, at, cb, bits, n)
 
 
 @pytest.mark.cxx_errors

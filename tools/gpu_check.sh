@@ -25,7 +25,7 @@ grep -E "^(FAILED|E  )" "$OUT/tests.log" | cut -c1-230 | head -30
 if [ "${SANITIZE:-0}" = 1 ]; then
   for tool in memcheck racecheck; do
     args=""; [ $tool = racecheck ] && args=quick
-    timeout 200 compute-sanitizer --tool $tool --error-exitcode 9 python3 tools/sanitize_cases.py $args \
+    timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 python3 tools/sanitize_cases.py $args \
       > "$OUT/sanitize_$tool.log" 2>&1
     echo "sanitizer $tool rc=$? $((SECONDS - T0))s"; tail -2 "$OUT/sanitize_$tool.log" | cut -c1-200
   done

@@ -45,7 +45,7 @@ os.environ.pop("KBIT_FORCE_KERNEL", None)
 
 # the wgmma variant of kbit::mma (KBIT_MMA_WGMMA=1 takes it for M > 32 on sm_90a builds): both
 # tile widths (M 64 -> TM 64, M 300 -> TM 128), a tail in N and K, every k in BITS
-import vllm_kbit._C as _C
+from vllm_kbit import _C
 
 if getattr(_C, "sm90a", 0) == 1 and torch.cuda.get_device_capability() == (9, 0):
     os.environ["KBIT_MMA_WGMMA"] = "1"
@@ -65,7 +65,8 @@ if getattr(_C, "sm90a", 0) == 1 and torch.cuda.get_device_capability() == (9, 0)
     os.environ.pop("KBIT_MMA_WGMMA")
 
     # the warp-specialized kernel (KBIT_MMA_WGMMA=2, csrc/wgmma_gemm.cu): every configuration
-    # (KBIT_WGMMA_CONFIG 1/2/3), tails in N, K and M, and split-K through the cluster (DSMEM) and
+    # (KBIT_WGMMA_CONFIG 1/2/3/4, 4 = C1w 256 rows x 64 tokens; and C1w chosen by M through
+    # KBIT_WGMMA_C1W=1), tails in N, K and M, and split-K through the cluster (DSMEM) and
     # workspace reductions. Not in the quick (racecheck) run: its shared memory is written by TMA
     # and bulk copies and read by wgmma (the async proxy) and ordered by mbarriers, which
     # racecheck is not known to model [unverified]; memcheck covers its loads and stores.
@@ -79,7 +80,11 @@ if getattr(_C, "sm90a", 0) == 1 and torch.cuda.get_device_capability() == (9, 0)
             for dtype in DTYPES:
                 for config, m, env in (("1", 40, {}), ("2", 100, {"KBIT_MMA_SPLITS": "3"}),
                                        ("3", 300, {"KBIT_MMA_SPLITS": "2", "KBIT_MMA_NO_CLUSTER": "1"}),
-                                       ("3", 65, {})):  # fmt: skip
+                                       ("3", 65, {}), ("4", 40, {}),
+                                       ("4", 64, {"KBIT_MMA_SPLITS": "3"}),
+                                       ("4", 17, {"KBIT_MMA_SPLITS": "2", "KBIT_MMA_NO_CLUSTER": "1"}),
+                                       # "": no forced configuration (empty = unset), by M
+                                       ("", 64, {"KBIT_WGMMA_C1W": "1"})):  # fmt: skip
                     os.environ.update(env, KBIT_WGMMA_CONFIG=config)
                     x = torch.randn(m, k, device=dev, dtype=dtype)
                     want = x.float() @ w_deq.t()

@@ -15,8 +15,8 @@
 //  3. the stage layout and the producer's copies: alignment, disjointness, every live tile's
 //     planes and absmax copied once, and expect_tx == the bytes issued;
 //  4. the x box columns of K tails: in bounds, and a duplicated half only where weights are padding;
-//  5. ring_plan on H100/H200 limits (the configuration table of the final report) and the
-//     epilogue tile fitting in the ring;
+//  5. ring_plan on H100/H200 limits (the configuration table of the final report, C1/C2/C3/C1w)
+//     and the epilogue tile fitting in the ring; the configuration shapes and the choice by M;
 //  6. split_plan + k_range + the grid: every (row tile, k-tile, token) covered exactly once;
 //  7. the mbarrier ring protocol (full/empty parities, arrival counts, release point) under a
 //     model of mbarrier phases and random interleavings of the producer, 8 consumer warps and
@@ -158,9 +158,33 @@ static void report_plan(const char* name, int optin) {
 }
 template <int BITS>
 static void report_plans(int optin) {
-    report_plan<BITS, 64, 64>("C1", optin);
-    report_plan<BITS, 64, 128>("C2", optin);
-    report_plan<BITS, 128, 128>("C3", optin);
+    report_plan<BITS, config_rwg(kC1), config_tn(kC1)>("C1", optin);
+    report_plan<BITS, config_rwg(kC2), config_tn(kC2)>("C2", optin);
+    report_plan<BITS, config_rwg(kC3), config_tn(kC3)>("C3", optin);
+    report_plan<BITS, config_rwg(kC1w), config_tn(kC1w)>("C1w", optin);
+}
+
+// ------------------------------------------------------------- 5b. configurations by M
+// The table of section 4: C1 128 x 64, C2 128 x 128, C3 256 x 128, C1w 256 x 64; the choice by
+// M (C1w at M <= 64 only when switched on) and forcing.
+static void check_configs() {
+    const int want[kNumConfigs + 1][2] = {{0, 0}, {64, 64}, {64, 128}, {128, 128}, {128, 64}};
+    for (int c = 1; c <= kNumConfigs; ++c)
+        CHECK(config_rwg(c) == want[c][0] && config_tn(c) == want[c][1], "config %d shape", c);
+    for (const int sms : {114, 132})
+        for (const long long n_tiles : {1LL, 16LL, 256LL, 1792LL, 2111LL, 2112LL, 2113LL, 3584LL})
+            for (long long m = 1; m <= 1100; m += (m < 140 ? 1 : 37))
+                for (const bool c1w : {false, true}) {
+                    const int c = pick_config(m, n_tiles, sms, 0, c1w);
+                    const int ref = m <= 64 ? (c1w ? 4 : 1)
+                                    : m <= 128 && (n_tiles + 15) / 16 < sms ? 2
+                                                                            : 3;
+                    CHECK(c == ref, "pick_config(M=%lld, n_tiles=%lld, sms=%d, c1w=%d) = %d, want %d",
+                          m, n_tiles, sms, int(c1w), c, ref);
+                    CHECK(config_tn(c) >= (m <= 64 ? 64 : 128) || m > 128, "token tile too narrow");
+                    for (int f = 1; f <= kNumConfigs; ++f)
+                        CHECK(pick_config(m, n_tiles, sms, f, c1w) == f, "forced %d", f);
+                }
 }
 
 // ---------------------------------------------------------------------------- 6. coverage
@@ -303,18 +327,22 @@ int main() {
     check_stage<2, 64, 64>(), check_stage<3, 64, 64>(), check_stage<4, 64, 64>(), check_stage<5, 64, 64>();
     check_stage<2, 64, 128>(), check_stage<3, 64, 128>(), check_stage<4, 64, 128>(), check_stage<5, 64, 128>();
     check_stage<2, 128, 128>(), check_stage<3, 128, 128>(), check_stage<4, 128, 128>(), check_stage<5, 128, 128>();
+    check_stage<2, 128, 64>(), check_stage<3, 128, 64>(), check_stage<4, 128, 64>(), check_stage<5, 128, 64>();
+    check_configs();
     check_x_boxes();
     for (const int optin : {232448 /* H100, H200: 227 KB */}) {
         std::printf("ring plans (opt-in shared memory %d B):\n", optin);
         report_plans<2>(optin), report_plans<3>(optin), report_plans<4>(optin), report_plans<5>(optin);
     }
     const int shapes[][3] = {{1, 1, 1},     {1, 33, 65},   {7, 4, 127},  {17, 33, 200},
-                             {256, 32, 64}, {272, 112, 300}, {40, 9, 1000}, {3, 2, 129}};
+                             {256, 32, 64}, {272, 112, 300}, {40, 9, 1000}, {3, 2, 129},
+                             {19, 13, 416}, {1792, 32, 64}, {256, 112, 33}};
     for (const auto& sh : shapes)
         for (int want = 1; want <= 8; ++want) {
             check_coverage<64, 64>(sh[0], sh[1], sh[2], want);
             check_coverage<64, 128>(sh[0], sh[1], sh[2], want);
             check_coverage<128, 128>(sh[0], sh[1], sh[2], want);
+            check_coverage<128, 64>(sh[0], sh[1], sh[2], want);
         }
     check_protocol();
     if (g_fail) {
