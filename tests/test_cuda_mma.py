@@ -97,6 +97,13 @@ WG_MS = [33, 64, 65, 100, 128, 129, 256, 1024]
 AWKWARD = [(8, 32), (1000, 96), (1, 4128), (17, 4128), (300, 640)]
 
 
+def _wgmma_env(monkeypatch, wg: str) -> None:
+    """KBIT_MMA_WGMMA=wg with the default split-K and, for "2", the configuration chosen by M."""
+    monkeypatch.setenv("KBIT_MMA_WGMMA", wg)
+    for var in ("KBIT_WGMMA_CONFIG", "KBIT_WGMMA_C1W", "KBIT_MMA_SPLITS", "KBIT_MMA_NO_CLUSTER"):
+        monkeypatch.delenv(var, raising=False)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bits", [2, 3, 4, 5])
 @pytest.mark.parametrize("n,k", AWKWARD)
@@ -162,8 +169,7 @@ def test_subnormal_and_zero_absmax(dtype: torch.dtype) -> None:
 # shifted rows go through mma.cu's copy
 @pytest.mark.parametrize("wg,m", [("0", 24), pytest.param("2", 100, marks=wgmma)])
 def test_strided_and_misaligned_x(monkeypatch, wg: str, m: int) -> None:
-    monkeypatch.setenv("KBIT_MMA_WGMMA", wg)
-    monkeypatch.delenv("KBIT_WGMMA_CONFIG", raising=False)
+    _wgmma_env(monkeypatch, wg)
     n, k, bits = 200, 384, 4
     qt, at, cb, w32 = _quantized(n, k, bits)
     x = _x(m, k, torch.float16)
@@ -204,10 +210,9 @@ def test_split_k_paths(monkeypatch, m: int, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("no_cluster", ["0", "1"])
 @pytest.mark.parametrize("m", [16, 64, 100, 200])
 def test_cuda_graph_replay_equals_eager(monkeypatch, m: int, no_cluster: str, wg: str) -> None:
-    monkeypatch.setenv("KBIT_MMA_NO_CLUSTER", no_cluster)  # split-K: cluster or workspace path
     # "1": the first wgmma variant for M > 32; "2": the warp-specialized kernel (any M)
-    monkeypatch.setenv("KBIT_MMA_WGMMA", wg)
-    monkeypatch.delenv("KBIT_WGMMA_CONFIG", raising=False)
+    _wgmma_env(monkeypatch, wg)
+    monkeypatch.setenv("KBIT_MMA_NO_CLUSTER", no_cluster)  # split-K: cluster or workspace path
     n, k, bits = 1024, 2048, 4
     qt, at, cb, _ = _quantized(n, k, bits)
     static_x = _x(m, k, torch.float16)
@@ -259,13 +264,17 @@ def test_empty_m() -> None:
 
 
 @wgmma
+@pytest.mark.parametrize("wg", ["1", "2"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bits", [2, 3, 4, 5])
 @pytest.mark.parametrize("n,k", AWKWARD)
-def test_wgmma_awkward_shapes(monkeypatch, n: int, k: int, bits: int, dtype: torch.dtype) -> None:
-    monkeypatch.setenv("KBIT_MMA_WGMMA", "1")  # M > 32: wgmma with 64 / 128 tokens per tile
+def test_wgmma_awkward_shapes(monkeypatch, n: int, k: int, bits: int, dtype: torch.dtype,
+                              wg: str) -> None:  # fmt: skip
+    # "1": the first wgmma variant (M > 32: 64 / 128 tokens per tile); "2": the warp-specialized
+    # kernel (any M), its configuration chosen by M
+    _wgmma_env(monkeypatch, wg)
     qt, at, cb, w32 = _quantized(n, k, bits)
-    for m in WG_MS:
+    for m in WG_MS if wg == "1" else WS_MS:
         x = _x(m, k, dtype, seed=m)
         _check(_mma(x, qt, at, cb, bits, n), x, w32)
 
@@ -342,9 +351,7 @@ WS_MS = [1, 17, 64, 65, 100, 127, 128, 129, 200, 256, 300, 1000]
 @pytest.fixture
 def ws(monkeypatch):
     """KBIT_MMA_WGMMA=2 with the default split-K and configuration."""
-    monkeypatch.setenv("KBIT_MMA_WGMMA", "2")
-    for var in ("KBIT_WGMMA_CONFIG", "KBIT_WGMMA_C1W", "KBIT_MMA_SPLITS", "KBIT_MMA_NO_CLUSTER"):
-        monkeypatch.delenv(var, raising=False)
+    _wgmma_env(monkeypatch, "2")
     return monkeypatch
 
 
@@ -382,17 +389,6 @@ def test_ws_one_hot_layout(ws, config: str, dtype: torch.dtype, splits: str) -> 
         bad = (y != want).nonzero()
         assert bad.numel() == 0, (f"bits={bits}: {bad.shape[0]} wrong outputs, first (token=column,"
                                   f" row): {bad[:4].tolist()}")  # fmt: skip
-
-
-@wgmma
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("bits", [2, 3, 4, 5])
-@pytest.mark.parametrize("n,k", AWKWARD)
-def test_ws_awkward_shapes(ws, n: int, k: int, bits: int, dtype: torch.dtype) -> None:
-    qt, at, cb, w32 = _quantized(n, k, bits)
-    for m in WS_MS:
-        x = _x(m, k, dtype, seed=m)
-        _check(_mma(x, qt, at, cb, bits, n), x, w32)
 
 
 @wgmma
