@@ -232,14 +232,15 @@ def dispatch_dry_check(shapes: list[str], dtype) -> None:
     _ops.load()
     for sh in shapes:
         label, e, topk, h, i = SHAPES[sh]
-        per = 3 * h * i * torch.empty(0, dtype=dtype).element_size()
+        per = moe_dispatch.expert_bytes(h, i, dtype)
         chunks = moe_dispatch.chunk_experts(e, per, moe_dispatch.DEQUANT_MAX_BYTES)
         w = kbit_weights(e, 64, 32, 4, "cpu")
         tw, ids = routing(40, e, topk, 0, "cpu")
         x = torch.randn(40, 64).to(dtype)
         want = reference_moe.moe_tiled(x, *w, tw, ids, None, 4, 32, "silu", False)
+        tiny_chunk = max(c1 - c0 for c0, c1 in chunks) * moe_dispatch.expert_bytes(64, 32, dtype)
         got = kbit_fn(x, w, tw, ids, 4, 32, "dequant", grouped_gemm=reference_moe.grouped_experts,
-                      max_bytes=max(c1 - c0 for c0, c1 in chunks) * 3 * 64 * 32 * 2)()  # fmt: skip
+                      max_bytes=tiny_chunk)()  # fmt: skip
         err = rel_err(got, want)
         assert err < 1e-2, f"{sh}: dequant path vs reference rel err {err:.2e}"
         first = next((m for m in sorted({*ALL_MS, 2048, 8192, 16384})
@@ -493,7 +494,7 @@ def main(argv=None) -> int:
 
                 # the kernel; the dequant path in one chunk and in three (chunking and the
                 # chunk expert_maps on the GPU)
-                third = -(-e // 3) * 3 * h * i * torch.empty(0, dtype=dtype).element_size()
+                third = -(-e // 3) * moe_dispatch.expert_bytes(h, i, dtype)
                 variants = [("kernel", {}), ("dequant", {}), ("dequant", {"max_bytes": third})]
                 for m in [1, 37]:
                     tw, ids = routing(m, e, topk, 99, dev)

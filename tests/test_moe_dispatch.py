@@ -29,6 +29,7 @@ from vllm_kbit.format import default_codebook
 from vllm_kbit.moe_dispatch import (
     chunk_experts,
     dequant_experts,
+    expert_bytes,
     kbit_moe,
     moe_dequant,
     use_dequant,
@@ -51,10 +52,6 @@ class Spy:
         assert emap is None or (emap.dtype == torch.int32 and emap.dim() == 1)
         self.calls.append((w13.shape[0], emap))
         return grouped_experts(x, w13, w2, tw, ids, emap, act, on_input)
-
-
-def expert_bytes(h: int, i: int, dtype: torch.dtype) -> int:
-    return 3 * h * i * torch.empty(0, dtype=dtype).element_size()
 
 
 # ----------------------------------------------------------------------- pure helpers

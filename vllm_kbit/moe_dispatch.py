@@ -113,6 +113,11 @@ def use_dequant(t: int, topk: int, n_global: int, min_m: int | None = None,
     return t > 0 and t >= min_m and t * topk >= min_tpe * n_global
 
 
+def expert_bytes(h: int, i: int, dtype: torch.dtype) -> int:
+    """Bytes of one expert's dequantized weights (gate, up and down: 3 x [h, i]) in dtype."""
+    return 3 * h * i * torch.empty(0, dtype=dtype).element_size()
+
+
 def chunk_experts(n_experts: int, expert_bytes: int, max_bytes: int) -> list[tuple[int, int]]:
     """[start, end) ranges of local experts dequantized together: as few chunks as
     ``max_bytes`` allows (at least one expert each), of balanced sizes (the last one may be
@@ -170,7 +175,7 @@ def moe_dequant(x: torch.Tensor, w13_qweight: torch.Tensor, w13_absmax: torch.Te
         return gemm(x, w13, w2, topk_weights, topk_ids, emap, activation,
                     apply_router_weight_on_input)  # fmt: skip
 
-    chunks = chunk_experts(n_local, 3 * h * i * x.element_size(), max_bytes)
+    chunks = chunk_experts(n_local, expert_bytes(h, i, x.dtype), max_bytes)
     if len(chunks) == 1:
         return run(0, n_local, expert_map)
     local = expert_map if expert_map is not None else \
