@@ -15,8 +15,9 @@
 //     the token rows of x with cp.async, and applies the gated activation in its epilogue:
 //     act_buf[s, :] = act(h_gate) * h_up, with h rounded to x.dtype and the product rounded once.
 //  3. down GEMM, grid (H/256, K splits, max tiles), on act_buf rows; its epilogue either writes
-//     fp32 per-slot rows (deterministic; T * topk * H * 4 <= 32 MB or KBIT_MOE_DETERMINISTIC=1) or
-//     adds w[t, j] * row to an fp32 [T, H] accumulator with atomics (large T: half the traffic).
+//     fp32 per-slot rows (deterministic: 16 < T and T * topk * H * 4 <= 32 MB, or
+//     KBIT_MOE_DETERMINISTIC=1) or adds w[t, j] * row to an fp32 [T, H] accumulator with atomics
+//     (T <= 16: no split-K reduction step; large T: half the traffic).
 //  4. combine: out[t] = sum_j w[t, j] * row(t, j) in slot order (or the accumulator), rounded once.
 // Both GEMMs run the fused-dequant main loop of mma.cu (frag_dequant.cuh): a cp.async ring of
 // k-tiles (16 weight tiles + the TM gathered activation rows), A fragments from the pair table,
@@ -55,6 +56,7 @@ constexpr int kSmallSlots = kThreads;              // <= this many slots: routin
 constexpr int kRouteThreads = 1024;
 constexpr int kMaxExperts = 4096;                  // routing histograms live in shared memory
 constexpr int64_t kSlotsMaxBytes = int64_t{32} << 20;  // per-slot fp32 rows up to this size
+constexpr int64_t kAtomicMaxT = 16;  // decode: atomics by default up to this many tokens
 
 enum Gemm : int { kGateUp = 0, kDown = 1 };
 enum OutMode : int { kSlots = 0, kAtomic = 1 };
@@ -674,8 +676,14 @@ void run_moe(const Call& c) {
     const int g2 = static_cast<int>(ceil_div(c.s2.n_tiles, kGroupTiles));
     int kchunk2 = 0;
     const int splits2 = plan_splits(g2, static_cast<int>(c.s2.k_tiles), kchunk2);
+    // Atomics let the down GEMM's split-K partials go straight into the fp32 [T, H] accumulator
+    // (no cluster/workspace reduction, no per-slot rows): at decode sizes that saves a reduction
+    // step on a latency-bound chain (H100, Qwen3-30B-A3B k=4, T=1: 24.3 vs 29.5 us,
+    // moe_env_h100_s5.txt), at large T half the output traffic. The order of the fp32 adds
+    // varies from run to run; KBIT_MOE_DETERMINISTIC=1 keeps the per-slot rows (bit-reproducible).
+    const bool deterministic = env_int("KBIT_MOE_DETERMINISTIC", 0) != 0;
     const bool atomic = env_int("KBIT_MOE_ATOMIC", 0) != 0 ||
-                        (c.S * c.H * 4 > kSlotsMaxBytes && env_int("KBIT_MOE_DETERMINISTIC", 0) == 0);
+                        (!deterministic && (c.T <= kAtomicMaxT || c.S * c.H * 4 > kSlotsMaxBytes));
     const int mode2 = atomic || splits2 == 1 ? kDirect : cluster_ok ? kCluster : kWorkspace;
     at::Tensor rows2 = at::empty({atomic ? c.T * c.H : (mode2 == kWorkspace ? splits2 : 1) * c.S * c.H},
                                  opts.dtype(at::kFloat));

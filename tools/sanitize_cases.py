@@ -112,8 +112,11 @@ if hasattr(K_OPS, "moe") and "moe" not in getattr(ops, "_cuda_reference_ops", ["
             exp += [torch.stack([q for q, _ in qa]), torch.stack([a for _, a in qa])]
         emap = torch.tensor([0, -1, 1, 2, -1, 3, 4, 5, 6, 7], dtype=torch.int32, device=dev)
         for dtype in DTYPES:
-            for t, topk, env in ((1, 2, {}), (3, 2, {"KBIT_MOE_SPLITS": "2"}),
-                                 (5, 2, {"KBIT_MOE_SPLITS": "2", "KBIT_MOE_NO_CLUSTER": "1"}),
+            # T <= 16 takes atomics by default; DETERMINISTIC keeps the cluster / workspace
+            # split-K reductions covered there
+            det = {"KBIT_MOE_DETERMINISTIC": "1"}
+            for t, topk, env in ((1, 2, {}), (3, 2, {"KBIT_MOE_SPLITS": "2", **det}),
+                                 (5, 2, {"KBIT_MOE_SPLITS": "2", "KBIT_MOE_NO_CLUSTER": "1", **det}),
                                  (150, 2, {}), (40, 8, {"KBIT_MOE_ATOMIC": "1"}),
                                  (64, 1, {"KBIT_MOE_TM": "64"})):
                 for k, v in env.items():
