@@ -62,36 +62,18 @@ WG_FLAGS = {"mma": "0", "mma_wg": "1", "mma_wg2": "2"}
 # 3 = C3 256 x 128, 4 = C1w 256 x 64 (docs/wgmma-plan.md, sections 4 and 9).
 WG2_CONFIGS = (1, 2, 3, 4)
 WG2_PREFIX = "mma_wg2_c"
-# --wgmma2-group G: each forced configuration also with KBIT_WGMMA_GROUP=G (k16 steps per wgmma
-# commit group, csrc/wgmma_gemm.cu), timed as path mma_wg2_c<N>_g<G>.
-WG2_GROUPS = (1, 2)
 
 
-def wg2_config_path(config: int, group: int | None = None) -> str:
-    return f"{WG2_PREFIX}{config}" + ("" if group is None else f"_g{group}")
-
-
-def _wg2_parse(path: str) -> tuple[int, int | None] | None:
-    if not path.startswith(WG2_PREFIX):
-        return None
-    c, _, g = path[len(WG2_PREFIX) :].partition("_g")
-    if not c.isdigit() or int(c) not in WG2_CONFIGS:
-        return None
-    if _ == "":
-        return int(c), None
-    return (int(c), int(g)) if g.isdigit() and int(g) in WG2_GROUPS else None
+def wg2_config_path(config: int) -> str:
+    return f"{WG2_PREFIX}{config}"
 
 
 def wg2_config_of(path: str) -> int | None:
-    """N for the path mma_wg2_c<N> or mma_wg2_c<N>_g<G>, else None."""
-    parsed = _wg2_parse(path)
-    return None if parsed is None else parsed[0]
-
-
-def wg2_group_of(path: str) -> int | None:
-    """G for the path mma_wg2_c<N>_g<G>, else None (the kernel's default group)."""
-    parsed = _wg2_parse(path)
-    return None if parsed is None else parsed[1]
+    """N for the path mma_wg2_c<N>, else None."""
+    if path.startswith(WG2_PREFIX) and path[len(WG2_PREFIX) :].isdigit():
+        c = int(path[len(WG2_PREFIX) :])
+        return c if c in WG2_CONFIGS else None
+    return None
 
 
 def is_wg_path(path: str) -> bool:
@@ -146,7 +128,6 @@ class Config:
     wgmma2: bool = False  # and its warp-specialized wgmma kernel as "mma_wg2" (implies wgmma)
     # the warp-specialized kernel with KBIT_WGMMA_CONFIG forced, as "mma_wg2_c<N>" (implies wgmma)
     wgmma2_configs: list[int] = field(default_factory=list)
-    wgmma2_group: int | None = None  # also time each forced configuration with this group
     time_budget_s: float = 420.0
     vllm_ops_lib: str | None = None
     allow_reference: bool = False
@@ -224,9 +205,6 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
              "each forced (KBIT_MMA_WGMMA=2 KBIT_WGMMA_CONFIG=N) as path mma_wg2_c<N>, M > 32:\n"
              "1 = C1 128x64, 2 = C2 128x128, 3 = C3 256x128, 4 = C1w 256x64; implies --wgmma\n"
              "(mma_wg2, the kernel's own choice, only with --wgmma2 too)")
-    add("--wgmma2-group", type=int, choices=WG2_GROUPS,
-        help="also time each --wgmma2-config configuration with KBIT_WGMMA_GROUP=G (k16 steps\n"
-             "per wgmma commit group) as path mma_wg2_c<N>_g<G>, beside the default")
     add("--time-budget-s", type=float, default=420.0, help="start no new shape/k after this")
     add("--vllm-ops-lib", help="vLLM's _C_stable_libtorch.abi3.so (or .xz), if vllm won't import")
     add("--allow-reference", action="store_true", help="run without vllm_kbit._C (slow)")
@@ -276,8 +254,7 @@ def kbit_paths(cfg: Config, m: int | None = None) -> list[str]:
     and mma_wg2_c<N> above M = 32)."""
     paths = list(KBIT_PATHS)
     wg = (["mma_wg"] if cfg.wgmma else []) + (["mma_wg2"] if cfg.wgmma2 else [])
-    for c in cfg.wgmma2_configs:
-        wg += [wg2_config_path(c)] + ([wg2_config_path(c, cfg.wgmma2_group)] if cfg.wgmma2_group else [])
+    wg += [wg2_config_path(c) for c in cfg.wgmma2_configs]
     paths[paths.index("mma") + 1 : paths.index("mma") + 1] = wg
     if m is None:
         return paths
@@ -584,8 +561,6 @@ def kbit_fn(path: str, x: torch.Tensor, qt: torch.Tensor, at: torch.Tensor, cb: 
         env = {"KBIT_MMA_WGMMA": WG_FLAGS["mma_wg2" if config is not None else path]}
         if config is not None:
             env["KBIT_WGMMA_CONFIG"] = str(config)
-        if wg2_group_of(path) is not None:
-            env["KBIT_WGMMA_GROUP"] = str(wg2_group_of(path))
 
         def mma() -> torch.Tensor:
             saved = {k: os.environ.get(k) for k in env}
@@ -740,8 +715,7 @@ def best_kbit(idx: dict[tuple, Point], model: str, shape: str, bits: int, m: int
     """The fastest individual kbit kernel path (gemv, mma, mma_wg, mma_wg2, mma_wg2_c<N>,
     dequant); linear is the dispatching op and is compared with it, not counted as a path of
     its own."""
-    paths = ["gemv", "mma", "mma_wg", "mma_wg2", "dequant"]
-    paths += [wg2_config_path(c, g) for c in WG2_CONFIGS for g in (None, *WG2_GROUPS)]
+    paths = ("gemv", "mma", "mma_wg", "mma_wg2", *map(wg2_config_path, WG2_CONFIGS), "dequant")
     cands = [idx.get((model, shape, bits, p, m)) for p in paths]
     cands = [p for p in cands if p is not None and p.ok]
     return min(cands, key=lambda p: p.us) if cands else None

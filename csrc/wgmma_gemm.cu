@@ -14,8 +14,8 @@
 //    m64 blocks; warp w of the warpgroup dequantizes tile w of each block into registers
 //    (frag::step_regs: the mma.sync A fragment, which is exactly the warp's slice of the wgmma
 //    A operand) and the warpgroup issues wgmma.m64nTNk16 with A from registers and x as the B
-//    descriptor (K-major, 128B swizzle). The A registers form two sets of G k16 steps each: a
-//    commit group of G steps runs on the tensor cores while the next G steps are dequantized.
+//    descriptor (K-major, 128B swizzle). The A registers form a ring of kABufs sets: step j's
+//    wgmma runs on the tensor cores while step j + 1 is dequantized.
 //  * Each consumer warp arrives on the slot's "empty" mbarrier once the wgmmas that read it are
 //    retired (wgmma.wait_group), which lets the producer refill it.
 //  * Epilogue: accumulators -> shared tile [token][row] (reusing the ring) -> coalesced stores.
@@ -47,14 +47,11 @@ namespace {
 
 using namespace frag;  // fragment dequantization (shared with mma.cu, moe.cu) and wgmma.cuh
 
-// The consumers' main loop issues the 8 k16 steps of a k-tile as 8 / G commit groups of G wgmmas
-// each, and dequantizes group g + 1 into the other of two A-register sets while group g runs
-// (wgmma.wait_group 1 after each commit). Each group costs a dependent chain (fence, issue,
-// wait, table lookups of the next group): G = 2 halves the chains per k-tile and gives each
-// dequantization twice the independent lookups, for 4 NB more registers. (More sets in flight
-// instead, wait_group 3, makes ptxas serialize every wgmma: C7513, the A registers of later
-// groups are written while earlier groups run.) KBIT_WGMMA_GROUP=1 or 2 picks G (default 2).
-constexpr int kASets = 2;
+// A-register sets in flight per consumer warpgroup: wgmma.wait_group<kABufs - 1> after each step.
+// 2 = one wgmma group pending while the next step is dequantized; must divide the 8 k16 steps
+// of a k-tile so that step kk of every k-tile uses set kk % kABufs.
+constexpr int kABufs = 2;
+static_assert(8 % kABufs == 0 && kABufs >= 2, "kABufs must divide 8");
 
 struct WgParams {
     CUtensorMap xmap;  // x [M, K]: boxes of 64 columns x TN tokens, 128B swizzle (64-B aligned)
@@ -103,12 +100,10 @@ __device__ __forceinline__ void produce(const WgParams& p, const void* xmap, int
 }
 #endif
 
-// Grid (row blocks of 2 RWG rows, splits, token tiles of TN). G: k16 steps per commit group.
-template <int BITS, int RWG, int TN, bool BF16, int G>
+// Grid (row blocks of 2 RWG rows, splits, token tiles of TN).
+template <int BITS, int RWG, int TN, bool BF16>
 __global__ void __launch_bounds__(wg::kThreads, 1)
     wgmma_gemm_kernel(const __grid_constant__ WgParams p) {
-    static_assert(G == 1 || G == 2, "G: k16 steps per commit group");
-    constexpr int kGroups = 8 / G;  // commit groups per k-tile (even: group 0 always uses set 0)
 #if defined(KBIT_WG_DEVICE)
     using L = wg::StageLayout<BITS, RWG, TN>;
     constexpr int NB = RWG / 64;  // wgmma m64 blocks per consumer warpgroup = tiles per warp
@@ -167,7 +162,7 @@ __global__ void __launch_bounds__(wg::kThreads, 1)
     for (int b = 0; b < NB; ++b)
 #pragma unroll
         for (int v = 0; v < TN / 2; ++v) acc[b][v] = 0.f, wg::pin(acc[b][v]);
-    uint32_t a[kASets][G][NB][4];  // A registers: 2 sets of G k16 steps
+    uint32_t a[kABufs][NB][4];  // A-register ring
     uint2 planes[NB][BITS];     // this lane's plane bytes of the current k-tile
     uint32_t sc[NB][2][2];      // its absmax pairs
     uint32_t iw[NB][5];         // index words of the current plane word
@@ -190,20 +185,15 @@ __global__ void __launch_bounds__(wg::kThreads, 1)
             tile_index_words<BITS>(iw[b], planes[b], 0);
         }
     };
-    // A registers of commit group g = k16 steps G g .. G g + G - 1 (compile-time constants once
-    // the loops are unrolled).
-    auto dequant = [&](int g, uint32_t(&dst)[G][NB][4]) {
+    // A registers of k16 step kk (a compile-time constant once the loops are unrolled).
+    auto dequant = [&](int kk, uint32_t(&dst)[NB][4]) {
+        if (kk == 4) {  // steps 4..7 read plane word 1
 #pragma unroll
-        for (int s = 0; s < G; ++s) {
-            const int kk = G * g + s;
-            if (kk == 4) {  // steps 4..7 read plane word 1
-#pragma unroll
-                for (int b = 0; b < NB; ++b) tile_index_words<BITS>(iw[b], planes[b], 1);
-            }
-#pragma unroll
-            for (int b = 0; b < NB; ++b)
-                step_regs<BITS, BF16>(dst[s][b], iw[b], sc[b], kk, tbl_lane, stride);
+            for (int b = 0; b < NB; ++b) tile_index_words<BITS>(iw[b], planes[b], 1);
         }
+#pragma unroll
+        for (int b = 0; b < NB; ++b)
+            step_regs<BITS, BF16>(dst[b], iw[b], sc[b], kk, tbl_lane, stride);
     };
 
     load_stage(0);
@@ -213,22 +203,20 @@ __global__ void __launch_bounds__(wg::kThreads, 1)
         const int slot = wg::ring_slot(it, S);
         const uint64_t desc = wg::desc_sw128(ring + slot * L::kBytes);
 #pragma unroll
-        for (int g = 0; g < kGroups; ++g) {
+        for (int kk = 0; kk < 8; ++kk) {
             wg_fence();  // the A registers were written by ordinary instructions
 #pragma unroll
-            for (int s = 0; s < G; ++s)
-#pragma unroll
-                for (int b = 0; b < NB; ++b)
-                    wgmma_rs<BF16, TN>(acc[b], a[g % kASets][s][b],
-                                       desc + (wg::b_step_offset<TN>(G * g + s) >> 4));
+            for (int b = 0; b < NB; ++b)
+                wgmma_rs<BF16, TN>(acc[b], a[kk % kABufs][b], desc + (wg::b_step_offset<TN>(kk) >> 4));
             wg_commit();
-            wg_wait<kASets - 1>();  // group g - 1 retired: its A set is free
-            // k-tile it - 1's last group is retired once group 0 of this k-tile has been
-            // committed after it: release its slot (one arrival per warp).
-            if (g == 0 && it > 0 && lane == 0) wg::mbar_arrive(empty0 + 8 * wg::ring_slot(it - 1, S));
-            if (g + 1 < kGroups) {
-                dequant(g + 1, a[(g + 1) % kASets]);
-            } else if (it + 1 < kr.count) {  // next k-tile's planes while the last group runs
+            wg_wait<kABufs - 1>();  // step kk + 1 - kABufs retired: its A set is free
+            // k-tile it - 1's last wgmma (step 7) is retired once kABufs - 1 steps of this
+            // k-tile have been committed after it: release its slot (one arrival per warp).
+            if (kk == kABufs - 2 && it > 0 && lane == 0)
+                wg::mbar_arrive(empty0 + 8 * wg::ring_slot(it - 1, S));
+            if (kk < 7) {
+                dequant(kk + 1, a[(kk + 1) % kABufs]);
+            } else if (it + 1 < kr.count) {  // next k-tile's planes while step 7 runs
                 load_stage(it + 1);
                 dequant(0, a[0]);
             }
@@ -299,14 +287,14 @@ struct WgConfig {
 // Per device and kernel (cached): table copies, stages and shared memory (wg::ring_plan).
 // KBIT_WGMMA_STAGES caps the stages, KBIT_WGMMA_COPIES_LOG2 fixes the table copies (tuning hooks,
 // read once per process and kernel).
-template <int BITS, int RWG, int TN, bool BF16, int G>
+template <int BITS, int RWG, int TN, bool BF16>
 WgConfig configure(int dev) {
     static std::mutex mu;
     static std::unordered_map<int, WgConfig> cache;
     const std::lock_guard<std::mutex> lock(mu);
     if (auto it = cache.find(dev); it != cache.end()) return it->second;
     using L = wg::StageLayout<BITS, RWG, TN>;
-    const auto kernel = wgmma_gemm_kernel<BITS, RWG, TN, BF16, G>;
+    const auto kernel = wgmma_gemm_kernel<BITS, RWG, TN, BF16>;
     cudaDeviceProp prop;
     C10_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
     cudaFuncAttributes fa;
@@ -372,11 +360,11 @@ CUtensorMap x_tensor_map(const at::Tensor& x, int tn) {
     return map;
 }
 
-template <int BITS, int RWG, int TN, bool BF16, int G>
+template <int BITS, int RWG, int TN, bool BF16>
 void run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& absmax,
          const at::Tensor& codebook, at::Tensor& y, const TiledShape& s) {
     using L = wg::StageLayout<BITS, RWG, TN>;
-    const WgConfig c = configure<BITS, RWG, TN, BF16, G>(x.get_device());
+    const WgConfig c = configure<BITS, RWG, TN, BF16>(x.get_device());
     const int M = static_cast<int>(x.size(0));
     const int n_groups = static_cast<int>(ceil_div(s.n_tiles, L::kTiles));
     const int m_tiles = static_cast<int>(ceil_div(M, TN)), k_tiles = static_cast<int>(s.k_tiles);
@@ -404,7 +392,7 @@ void run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& absma
     p.copies_log2 = c.copies_log2, p.table_bytes = c.table_bytes;
 
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-    launch_kernel(wgmma_gemm_kernel<BITS, RWG, TN, BF16, G>, dim3(n_groups, splits, m_tiles),
+    launch_kernel(wgmma_gemm_kernel<BITS, RWG, TN, BF16>, dim3(n_groups, splits, m_tiles),
                   wg::kThreads, c.smem, stream, mode == kCluster ? splits : 1, false, p);
     if (mode == kWorkspace) {
         const int64_t count = int64_t{M} * s.n;
@@ -429,15 +417,8 @@ template <int BITS, int C>
 void run_config(bool bf16, const at::Tensor& x, const at::Tensor& q, const at::Tensor& a,
                 const at::Tensor& cb, at::Tensor& y, const TiledShape& s) {
     constexpr int RWG = wg::config_rwg(C), TN = wg::config_tn(C);
-    const int group = env_int("KBIT_WGMMA_GROUP", 2);
-    TORCH_CHECK(group == 1 || group == 2, "kbit::mma: KBIT_WGMMA_GROUP must be 1 or 2, got ", group);
-    if (group == 1) {
-        if (bf16) run<BITS, RWG, TN, true, 1>(x, q, a, cb, y, s);
-        else run<BITS, RWG, TN, false, 1>(x, q, a, cb, y, s);
-    } else {
-        if (bf16) run<BITS, RWG, TN, true, 2>(x, q, a, cb, y, s);
-        else run<BITS, RWG, TN, false, 2>(x, q, a, cb, y, s);
-    }
+    if (bf16) run<BITS, RWG, TN, true>(x, q, a, cb, y, s);
+    else run<BITS, RWG, TN, false>(x, q, a, cb, y, s);
 }
 
 template <int BITS>

@@ -51,25 +51,12 @@ def test_wg2_path_names() -> None:
     for other in ("mma", "mma_wg2", "mma_wg2_c", "mma_wg2_c5", "mma_wg2_cx", "gemv"):
         assert bl.wg2_config_of(other) is None
     assert bl.is_wg_path("mma_wg") and bl.is_wg_path("mma_wg2") and not bl.is_wg_path("mma")
-    # commit-group variants: mma_wg2_c<N>_g<G> sets KBIT_WGMMA_GROUP=G as well
-    for c in bl.WG2_CONFIGS:
-        for g in bl.WG2_GROUPS:
-            path = bl.wg2_config_path(c, g)
-            assert (bl.wg2_config_of(path), bl.wg2_group_of(path)) == (c, g) and bl.is_wg_path(path)
-        assert bl.wg2_group_of(bl.wg2_config_path(c)) is None
-    for other in ("mma_wg2_c1_g", "mma_wg2_c1_g3", "mma_wg2_c1_x2", "mma_wg2_c5_g1"):
-        assert bl.wg2_config_of(other) is None and bl.wg2_group_of(other) is None
     assert bl.check_ms("gemv") == bl.CHECK_MS["gemv"]
     # the plan / estimate take the new paths like the others (kbit weight bytes)
     cfg = bl.parse_args(["--shapes", "t.a:64x256", "--bits", "4", "--m", "16,64",
                          "--baselines", "none", "--wgmma2-config", "1,4"])  # fmt: skip
     pts = [(meth, m) for _, meth, _, m in bl.plan(cfg)]
     assert ("mma_wg2_c4", 64) in pts and ("mma_wg2_c4", 16) not in pts
-    assert not any(meth.endswith("_g1") for meth, _ in pts)
-    cfg = bl.parse_args(["--shapes", "t.a:64x256", "--bits", "4", "--m", "64", "--baselines", "none",
-                         "--wgmma2-config", "1,4", "--wgmma2-group", "1"])  # fmt: skip
-    pts = [(meth, m) for _, meth, _, m in bl.plan(cfg)]
-    assert {("mma_wg2_c1", 64), ("mma_wg2_c1_g1", 64), ("mma_wg2_c4_g1", 64)} <= set(pts)
     assert bl.estimate_seconds(cfg) > 0
 
 

@@ -100,8 +100,7 @@ AWKWARD = [(8, 32), (1000, 96), (1, 4128), (17, 4128), (300, 640)]
 def _wgmma_env(monkeypatch, wg: str) -> None:
     """KBIT_MMA_WGMMA=wg with the default split-K and, for "2", the configuration chosen by M."""
     monkeypatch.setenv("KBIT_MMA_WGMMA", wg)
-    for var in ("KBIT_WGMMA_CONFIG", "KBIT_WGMMA_C1W", "KBIT_WGMMA_GROUP", "KBIT_MMA_SPLITS",
-                "KBIT_MMA_NO_CLUSTER"):
+    for var in ("KBIT_WGMMA_CONFIG", "KBIT_WGMMA_C1W", "KBIT_MMA_SPLITS", "KBIT_MMA_NO_CLUSTER"):
         monkeypatch.delenv(var, raising=False)
 
 
@@ -374,17 +373,14 @@ def _one_hot_all_columns(k: int, dtype: torch.dtype) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("config", WS_CONFIGS)
 @pytest.mark.parametrize("splits", ["1", "3"])
-@pytest.mark.parametrize("group", ["1", "2"])
-def test_ws_one_hot_layout(ws, config: str, dtype: torch.dtype, splits: str, group: str) -> None:
+def test_ws_one_hot_layout(ws, config: str, dtype: torch.dtype, splits: str) -> None:
     # x = identity (token t = one-hot column t) => y = W^T exactly, one product per output and no
     # rounding, whatever the split-K. Catches, one element at a time, any error in the A
     # fragments, the B descriptor / 128B swizzle / k16 advance, the TMA boxes (incl. the K tail:
     # K = 416 ends 32 columns into its 4th k-tile), the token/row mapping and the epilogue.
     # n = 300: a partial row block and a partial tile; M = 416: a partial token tile.
-    # group: k16 steps per wgmma commit group (KBIT_WGMMA_GROUP), i.e. the A-register schedule.
     ws.setenv("KBIT_WGMMA_CONFIG", config)
     ws.setenv("KBIT_MMA_SPLITS", splits)
-    ws.setenv("KBIT_WGMMA_GROUP", group)
     n, k = 300, 416
     for bits in (2, 3, 4, 5):
         qt, at, cb, w32 = _quantized(n, k, bits)
@@ -506,16 +502,6 @@ def test_ws_bad_config_is_a_clear_error(ws) -> None:
     qt, at, cb, _ = _quantized(n, k, bits)
     ws.setenv("KBIT_WGMMA_CONFIG", "5")
     with pytest.raises(RuntimeError, match="KBIT_WGMMA_CONFIG must be 1, 2, 3 or 4"):
-        _mma(_x(64, k, torch.float16), qt, at, cb, bits, n)
-
-
-@wgmma
-@pytest.mark.cxx_errors
-def test_ws_bad_group_is_a_clear_error(ws) -> None:
-    n, k, bits = 64, 256, 4
-    qt, at, cb, _ = _quantized(n, k, bits)
-    ws.setenv("KBIT_WGMMA_GROUP", "3")
-    with pytest.raises(RuntimeError, match="KBIT_WGMMA_GROUP must be 1 or 2"):
         _mma(_x(64, k, torch.float16), qt, at, cb, bits, n)
 
 

@@ -81,8 +81,6 @@ if getattr(_C, "sm90a", 0) == 1 and torch.cuda.get_device_capability() == (9, 0)
                 for config, m, env in (("1", 40, {}), ("2", 100, {"KBIT_MMA_SPLITS": "3"}),
                                        ("3", 300, {"KBIT_MMA_SPLITS": "2", "KBIT_MMA_NO_CLUSTER": "1"}),
                                        ("3", 65, {}), ("4", 40, {}),
-                                       ("1", 40, {"KBIT_WGMMA_GROUP": "1"}),  # G = 1 schedule
-                                       ("3", 300, {"KBIT_WGMMA_GROUP": "1"}),
                                        ("4", 64, {"KBIT_MMA_SPLITS": "3"}),
                                        ("4", 17, {"KBIT_MMA_SPLITS": "2", "KBIT_MMA_NO_CLUSTER": "1"}),
                                        # "": no forced configuration (empty = unset), by M
