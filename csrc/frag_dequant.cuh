@@ -416,12 +416,13 @@ struct RingConfig {
     int smem = 0, stages = 0, copies_log2 = 0, table_bytes = 0, ctas_per_sm = 0, sms = 0;
     bool sm90 = false;    // the SASS that runs has the sm_90 paths (clusters, griddepcontrol)
     bool cluster = false;  // and the GPU co-schedules a cluster of `cluster_y` CTAs along y
+    int clusters[kMaxSplits + 1] = {};  // clusters of s CTAs the GPU runs at once (s = 2..8)
 };
 
-// Can the GPU co-schedule a (1, cluster_y, 1) cluster of this kernel (the split-K CTAs of one
-// output tile reducing over DSMEM)? If not, callers fall back to a workspace reduction.
+// How many (1, cluster_y, 1) clusters of this kernel (the split-K CTAs of one output tile,
+// reducing over DSMEM) the GPU runs at once; 0 = none (no clusters on this GPU / build).
 template <typename Kernel>
-inline bool cluster_fits(Kernel kernel, int threads, int smem, int cluster_y) {
+inline int active_clusters(Kernel kernel, int threads, int smem, int cluster_y) {
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(1, cluster_y, 1);
     cfg.blockDim = dim3(threads);
@@ -432,10 +433,38 @@ inline bool cluster_fits(Kernel kernel, int threads, int smem, int cluster_y) {
     cfg.attrs = &attr, cfg.numAttrs = 1;
     int clusters = 0;
     if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess) {
-        (void)cudaGetLastError();  // no clusters on this GPU / build
-        return false;
+        (void)cudaGetLastError();
+        return 0;
     }
-    return clusters > 0;
+    return clusters;
+}
+
+template <typename Kernel>
+inline bool cluster_fits(Kernel kernel, int threads, int smem, int cluster_y) {
+    return active_clusters(kernel, threads, smem, cluster_y) > 0;
+}
+
+// Fills clusters[s] for s = 2..max_splits (host, once per kernel and device).
+template <typename Kernel>
+inline void count_clusters(int (&clusters)[kMaxSplits + 1], Kernel kernel, int threads, int smem,
+                           int max_splits) {
+    for (int s = 2; s <= std::min(max_splits, kMaxSplits); ++s)
+        clusters[s] = active_clusters(kernel, threads, smem, s);
+}
+
+// Split-K reduction of `tiles` output tiles in `splits` CTAs each: through DSMEM in clusters only
+// where the clusters run in as few waves as the plain CTAs would. A cluster needs all its CTAs on
+// SMs of one GPC at once; with 1-2 big CTAs per SM the GPCs hold fewer clusters than
+// SMs / splits (H100, 8B o_proj at M = 64 on the wgmma kernel's C1, 32 tiles x 4 splits:
+// cluster 26.2 us, workspace 14.8; benchmarks/probe_splitk.py, results/probe_splitk_h100_s6*),
+// and the waves that adds cost more than the workspace's fp32 partials.
+// KBIT_MMA_NO_CLUSTER=1 / KBIT_MMA_FORCE_CLUSTER=1 override (tests, the probe).
+inline bool use_cluster(const int (&clusters)[kMaxSplits + 1], double tiles, int splits,
+                        int64_t slots) {
+    if (splits < 2 || splits > kMaxSplits || clusters[splits] <= 0) return false;
+    if (env_int("KBIT_MMA_NO_CLUSTER", 0) != 0) return false;
+    if (env_int("KBIT_MMA_FORCE_CLUSTER", 0) != 0) return true;
+    return std::ceil(tiles / clusters[splits]) <= std::ceil(tiles * splits / static_cast<double>(slots));
 }
 
 // Table copies, ring stages and dynamic shared memory: prefers a conflict-free table (32 copies),
@@ -474,8 +503,11 @@ RingConfig configure_ring(Kernel kernel, int dev, int bits, int threads, int sta
     C10_CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel));
     c.sms = prop.multiProcessorCount;
     c.sm90 = fa.binaryVersion >= 90 && fa.ptxVersion >= 90;
-    // can the GPU co-schedule the largest cluster (one GPC)?
-    if (c.sm90) c.cluster = cluster_fits(kernel, threads, c.smem, cluster_y);
+    // can the GPU co-schedule the largest cluster (one GPC)? how many of each size at once?
+    if (c.sm90) {
+        c.cluster = cluster_fits(kernel, threads, c.smem, cluster_y);
+        if (c.cluster) count_clusters(c.clusters, kernel, threads, c.smem, cluster_y);
+    }
     return c;
 }
 

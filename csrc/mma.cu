@@ -229,9 +229,9 @@ void run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& absma
         splits = std::min({forced, kMaxSplits, k_tiles});
     const int kchunk = static_cast<int>(ceil_div(k_tiles, splits));
     splits = static_cast<int>(ceil_div(k_tiles, kchunk));
-    const int mode = splits == 1 ? kDirect
-                     : c.cluster && env_int("KBIT_MMA_NO_CLUSTER", 0) == 0 ? kCluster
-                                                                           : kWorkspace;
+    const int mode = splits == 1                                                    ? kDirect
+                     : use_cluster(c.clusters, double(n_groups) * m_tiles, splits, slots) ? kCluster
+                                                                                          : kWorkspace;
     at::Tensor ws;
     if (mode == kWorkspace) ws = at::empty({splits, M, s.n}, x.options().dtype(at::kFloat));
 

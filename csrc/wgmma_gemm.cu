@@ -282,6 +282,7 @@ __global__ void __launch_bounds__(wg::kThreads, 1)
 struct WgConfig {
     int smem = 0, stages = 0, copies_log2 = 0, table_bytes = 0, sms = 0;
     bool cluster = false;  // the GPU co-schedules clusters of kMaxSplits CTAs of this kernel
+    int clusters[kMaxSplits + 1] = {};  // clusters of s CTAs it runs at once (s = 2..8)
 };
 
 // Per device and kernel (cached): table copies, stages and shared memory (wg::ring_plan).
@@ -315,6 +316,7 @@ WgConfig configure(int dev) {
     TORCH_CHECK(ctas >= 1, "kbit::mma (KBIT_MMA_WGMMA=2): the kernel does not fit on this GPU");
     c.sms = prop.multiProcessorCount;
     c.cluster = cluster_fits(kernel, wg::kThreads, c.smem, kMaxSplits);  // split-K over DSMEM?
+    if (c.cluster) count_clusters(c.clusters, kernel, wg::kThreads, c.smem, kMaxSplits);
     cache.emplace(dev, c);
     return c;
 }
@@ -373,9 +375,9 @@ void run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& absma
     if (const int forced = env_int("KBIT_MMA_SPLITS", 0); forced > 0) want = std::min(forced, kMaxSplits);
     const wg::SplitPlan sp = wg::split_plan(k_tiles, want);
     const int kchunk = sp.kchunk, splits = sp.splits;
-    const int mode = splits == 1 ? kDirect
-                     : c.cluster && env_int("KBIT_MMA_NO_CLUSTER", 0) == 0 ? kCluster
-                                                                           : kWorkspace;
+    const int mode = splits == 1                                                       ? kDirect
+                     : use_cluster(c.clusters, double(n_groups) * m_tiles, splits, c.sms) ? kCluster
+                                                                                             : kWorkspace;
     at::Tensor ws;
     if (mode == kWorkspace) ws = at::empty({splits, M, s.n}, x.options().dtype(at::kFloat));
 

@@ -100,7 +100,13 @@ AWKWARD = [(8, 32), (1000, 96), (1, 4128), (17, 4128), (300, 640)]
 def _wgmma_env(monkeypatch, wg: str) -> None:
     """KBIT_MMA_WGMMA=wg with the default split-K and, for "2", the configuration chosen by M."""
     monkeypatch.setenv("KBIT_MMA_WGMMA", wg)
-    for var in ("KBIT_WGMMA_CONFIG", "KBIT_WGMMA_C1W", "KBIT_MMA_SPLITS", "KBIT_MMA_NO_CLUSTER"):
+    for var in (
+        "KBIT_WGMMA_CONFIG",
+        "KBIT_WGMMA_C1W",
+        "KBIT_MMA_SPLITS",
+        "KBIT_MMA_NO_CLUSTER",
+        "KBIT_MMA_FORCE_CLUSTER",
+    ):
         monkeypatch.delenv(var, raising=False)
 
 
@@ -197,9 +203,12 @@ def test_split_k_paths(monkeypatch, m: int, dtype: torch.dtype) -> None:
     for splits in [1, 2, 3, 8]:
         monkeypatch.setenv("KBIT_MMA_SPLITS", str(splits))
         monkeypatch.delenv("KBIT_MMA_NO_CLUSTER", raising=False)
-        y = _mma(x, qt, at, cb, bits, n)
+        y = _mma(x, qt, at, cb, bits, n)  # by cluster packing: cluster or workspace
         _check(y, x, w32)
         assert torch.equal(_mma(x, qt, at, cb, bits, n), y)  # deterministic
+        monkeypatch.setenv("KBIT_MMA_FORCE_CLUSTER", "1")  # cluster wherever the GPU has them
+        assert torch.equal(_mma(x, qt, at, cb, bits, n), y)
+        monkeypatch.delenv("KBIT_MMA_FORCE_CLUSTER")
         monkeypatch.setenv("KBIT_MMA_NO_CLUSTER", "1")
         assert torch.equal(_mma(x, qt, at, cb, bits, n), y)
 
@@ -207,12 +216,15 @@ def test_split_k_paths(monkeypatch, m: int, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize(
     "wg", ["0", pytest.param("1", marks=wgmma), pytest.param("2", marks=wgmma)]
 )
-@pytest.mark.parametrize("no_cluster", ["0", "1"])
+@pytest.mark.parametrize("reduction", ["cluster", "workspace"])
 @pytest.mark.parametrize("m", [16, 64, 100, 200])
-def test_cuda_graph_replay_equals_eager(monkeypatch, m: int, no_cluster: str, wg: str) -> None:
+def test_cuda_graph_replay_equals_eager(monkeypatch, m: int, reduction: str, wg: str) -> None:
     # "1": the first wgmma variant for M > 32; "2": the warp-specialized kernel (any M)
     _wgmma_env(monkeypatch, wg)
-    monkeypatch.setenv("KBIT_MMA_NO_CLUSTER", no_cluster)  # split-K: cluster or workspace path
+    # split-K: cluster (wherever the GPU has them) or workspace path
+    monkeypatch.setenv(
+        "KBIT_MMA_FORCE_CLUSTER" if reduction == "cluster" else "KBIT_MMA_NO_CLUSTER", "1"
+    )
     n, k, bits = 1024, 2048, 4
     qt, at, cb, _ = _quantized(n, k, bits)
     static_x = _x(m, k, torch.float16)
@@ -421,6 +433,9 @@ def test_ws_split_k_paths(ws, m: int, config: str, dtype: torch.dtype) -> None:
         y = _mma(x, qt, at, cb, bits, n)
         _check(y, x, w32)
         assert torch.equal(_mma(x, qt, at, cb, bits, n), y)  # deterministic
+        ws.setenv("KBIT_MMA_FORCE_CLUSTER", "1")
+        assert torch.equal(_mma(x, qt, at, cb, bits, n), y)
+        ws.delenv("KBIT_MMA_FORCE_CLUSTER")
         ws.setenv("KBIT_MMA_NO_CLUSTER", "1")
         assert torch.equal(_mma(x, qt, at, cb, bits, n), y)
 
@@ -461,8 +476,10 @@ def test_ws_c1w_real_shapes(ws, dtype: torch.dtype) -> None:
             x = _x(m, k, dtype, seed=m + bits)
             _check(_mma(x, qt, at, cb, bits, n), x, w32)
             ws.setenv("KBIT_MMA_SPLITS", "4")
+            ws.setenv("KBIT_MMA_FORCE_CLUSTER", "1")
             y4 = _mma(x, qt, at, cb, bits, n)
             _check(y4, x, w32)
+            ws.delenv("KBIT_MMA_FORCE_CLUSTER")
             ws.setenv("KBIT_MMA_NO_CLUSTER", "1")
             assert torch.equal(_mma(x, qt, at, cb, bits, n), y4)  # same partials, same order
             ws.delenv("KBIT_MMA_SPLITS")

@@ -78,10 +78,10 @@ if getattr(_C, "sm90a", 0) == 1 and torch.cuda.get_device_capability() == (9, 0)
             qt, at = K_OPS.repack(*K_OPS.quantize(w, cb, bits), bits)
             w_deq = K_OPS.dequantize_tiled(qt, at, cb, bits, n, k, torch.float16).float()
             for dtype in DTYPES:
-                for config, m, env in (("1", 40, {}), ("2", 100, {"KBIT_MMA_SPLITS": "3"}),
+                for config, m, env in (("1", 40, {}), ("2", 100, {"KBIT_MMA_SPLITS": "3", "KBIT_MMA_FORCE_CLUSTER": "1"}),
                                        ("3", 300, {"KBIT_MMA_SPLITS": "2", "KBIT_MMA_NO_CLUSTER": "1"}),
                                        ("3", 65, {}), ("4", 40, {}),
-                                       ("4", 64, {"KBIT_MMA_SPLITS": "3"}),
+                                       ("4", 64, {"KBIT_MMA_SPLITS": "3", "KBIT_MMA_FORCE_CLUSTER": "1"}),
                                        ("4", 17, {"KBIT_MMA_SPLITS": "2", "KBIT_MMA_NO_CLUSTER": "1"}),
                                        # "": no forced configuration (empty = unset), by M
                                        ("", 64, {"KBIT_WGMMA_C1W": "1"})):  # fmt: skip
