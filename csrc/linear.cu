@@ -34,8 +34,10 @@ bool use_gemv(int64_t m, int64_t n, int64_t bits) {
 
 bool use_mma(int64_t m, int64_t n, int64_t k) {
     const int64_t weights = n * k;
-    if (m <= 32) return true;
-    if (m <= 64) return weights >= (int64_t{20} << 20);
+    // Up to M = 64 mma wins on every Llama-3.1 8B / 70B layer since split-K stopped packing
+    // clusters into extra waves (8B o_proj, M = 64: 16.8 vs 25 us for dequant + cuBLAS;
+    // benchmarks/results/bench_linear_h100__s6_cluster.md).
+    if (m <= 64) return true;
     if (m <= 128) return weights >= (int64_t{32} << 20);
     // Up to M = 256, mma also wins on K-heavy layers and, through its wgmma variant on sm_90a
     // builds (mma.cu, use_wgmma), on very wide ones (70B gate_up, M = 256: 718 vs 793 us).
@@ -77,7 +79,11 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& qweight, const at::T
 
     Path path = forced_path();
     if (path == Path::kAuto) {
-        path = use_gemv(m, n, bits) ? Path::kGemv : use_mma(m, n, k) ? Path::kMma : Path::kDequant;
+        // On sm_90 GPUs kbit::mma's warp-specialized kernel wins over dequantize + cuBLAS for
+        // 64 < M <= 256 (mma.cu, wgmma2_by_default); elsewhere the mma.sync kernel by shape.
+        path = use_gemv(m, n, bits)                                ? Path::kGemv
+               : use_mma(m, n, k) || wgmma2_by_default(x, m) ? Path::kMma
+                                                              : Path::kDequant;
     }
     switch (path) {
         case Path::kGemv: return gemv(x, qweight, absmax, codebook, bits, n);

@@ -292,15 +292,12 @@ void run_bits(int tm, bool wg, bool bf16, const at::Tensor& x, const at::Tensor&
 // gives >= 64 CTAs of 256 rows without split-K (8B gate_up, M = 96: 88 vs 158 us for mma.sync; 70B
 // gate_up, M = 256: 718 vs 805). On narrow layers it needs split-K, whose 128-token fp32 partial
 // tiles cost more than they save (70B down, M = 128: 335 vs 201 us), and up to M = 64 the two tie.
-bool use_wgmma(const at::Tensor& x, int64_t M, int64_t n) {
+// Is x on an sm_90 GPU and this build carrying sm_90a code (cached per device)?
+bool sm90a_device(const at::Tensor& x) {
 #if defined(KBIT_SM90A)
-    const int mode = env_int("KBIT_MMA_WGMMA", -1);
-    if (mode == 0 || M <= 32) return false;
-    if (mode != 1 && !(M > 64 && ((M <= 128 && n >= 16384) || (M <= 256 && n >= 32768))))
-        return false;
     static std::atomic<int> sm90[64];  // per device: 0 = not asked yet, 1 = sm_90, 2 = other
     const int dev = x.get_device();
-    if (dev >= 64) return false;
+    if (dev < 0 || dev >= 64) return false;
     if (sm90[dev].load(std::memory_order_relaxed) == 0) {
         int major = 0, minor = 0;
         C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
@@ -309,12 +306,29 @@ bool use_wgmma(const at::Tensor& x, int64_t M, int64_t n) {
     }
     return sm90[dev].load(std::memory_order_relaxed) == 1;
 #else
-    (void)x, (void)M, (void)n;
+    (void)x;
     return false;
 #endif
 }
 
+bool use_wgmma(const at::Tensor& x, int64_t M, int64_t n) {
+    const int mode = env_int("KBIT_MMA_WGMMA", -1);
+    if (mode == 0 || M <= 32) return false;
+    if (mode != 1 && !(M > 64 && ((M <= 128 && n >= 16384) || (M <= 256 && n >= 32768))))
+        return false;
+    return sm90a_device(x);
+}
+
 }  // namespace
+
+// The warp-specialized wgmma kernel (wgmma_gemm.cu) by default for 64 < M <= 256 on sm_90 GPUs
+// (sm_90a builds): on the 8 Llama-3.1 8B / 70B shapes it is the fastest kbit kernel there
+// (H100, k=4, one decoder layer's linears: 8B M=128 155 us against 225 for the mma.sync /
+// dequant paths, fp16 182; benchmarks/results/bench_linear_h100__s6_cluster.md). Up to M = 64
+// the mma.sync kernel ties or wins (8B gate_up, M=64: 62 vs 93 us). KBIT_MMA_WGMMA=0/1/2 overrides.
+bool wgmma2_by_default(const at::Tensor& x, int64_t M) {
+    return M > 64 && M <= 256 && env_int("KBIT_MMA_WGMMA", -1) == -1 && sm90a_device(x);
+}
 
 at::Tensor mma(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& absmax,
                const at::Tensor& codebook, int64_t bits, int64_t n) {
@@ -336,7 +350,7 @@ at::Tensor mma(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tens
     const bool aligned = reinterpret_cast<uintptr_t>(x_in.data_ptr()) % 16 == 0 &&
                          (M == 1 || x_in.stride(0) % 8 == 0);
     const at::Tensor x = aligned ? x_in : x_in.clone(at::MemoryFormat::Contiguous);
-    if (env_int("KBIT_MMA_WGMMA", -1) == 2) {  // the warp-specialized kernel, opt-in until measured
+    if (env_int("KBIT_MMA_WGMMA", -1) == 2 || wgmma2_by_default(x, M)) {  // warp-specialized kernel
         wgmma_gemm(x, qweight, absmax, codebook, bits, y);
         return y;
     }

@@ -406,13 +406,13 @@ void run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& absma
 }
 
 // Tile configuration (wg::pick_config, checked on the CPU): KBIT_WGMMA_CONFIG=1/2/3/4 forces
-// C1 = 128 x 64, C2 = 128 x 128, C3 = 256 x 128 or C1w = 256 x 64 (tests, tuning); unset = by M,
-// C1w for M <= 64 only with KBIT_WGMMA_C1W=1 until it has been measured against C1.
-int choose_config(int64_t M, int64_t n_tiles, int sms) {
+// C1 = 128 x 64, C2 = 128 x 128, C3 = 256 x 128 or C1w = 256 x 64 (tests, tuning); unset = by M
+// and K, C1w for M <= 64 only with KBIT_WGMMA_C1W=1.
+int choose_config(int64_t M, int64_t k_tiles) {
     const int forced = env_int("KBIT_WGMMA_CONFIG", 0);
     TORCH_CHECK(forced >= 0 && forced <= wg::kNumConfigs,
                 "kbit::mma: KBIT_WGMMA_CONFIG must be 1, 2, 3 or 4, got ", forced);
-    return wg::pick_config(M, n_tiles, sms, forced, env_int("KBIT_WGMMA_C1W", 0) == 1);
+    return wg::pick_config(M, k_tiles, forced, env_int("KBIT_WGMMA_C1W", 0) == 1);
 }
 
 template <int BITS, int C>
@@ -465,11 +465,7 @@ void wgmma_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor
         return;
     }
     const TiledShape s(y.size(1), x.size(1), bits);
-    const int config = choose_config(x.size(0), s.n_tiles, [&] {
-        int sms = 0;
-        C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, x.get_device()));
-        return sms;
-    }());
+    const int config = choose_config(x.size(0), s.k_tiles);
     const bool bf16 = x.scalar_type() == at::kBFloat16;
     switch (bits) {
         case 2: run_bits<2>(config, bf16, x, qweight, absmax, codebook, y, s); break;

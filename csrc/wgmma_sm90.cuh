@@ -121,17 +121,19 @@ enum TileConfig : int { kC1 = 1, kC2 = 2, kC3 = 3, kC1w = 4, kNumConfigs = 4 };
 __host__ __device__ constexpr int config_rwg(int c) { return c == kC3 || c == kC1w ? 128 : 64; }
 __host__ __device__ constexpr int config_tn(int c) { return c == kC1 || c == kC1w ? 64 : 128; }
 
-// The configuration for M tokens and n_tiles 16-row weight tiles on `sms` SMs. forced (1..4,
-// KBIT_WGMMA_CONFIG) wins; 0 = by M: up to 64 tokens C1, or C1w where c1w (KBIT_WGMMA_C1W=1,
-// opt-in until measured: 256 rows read each x tile once for twice the weights, half the CTAs);
-// up to 128 C2 where 256-row blocks would leave SMs idle (it gives twice the CTAs), else C3,
-// whose 256 rows halve the x bytes per weight (the L2 traffic that limits the first variant).
-__host__ __device__ constexpr int pick_config(long long m, long long n_tiles, int sms, int forced,
-                                              bool c1w) {
+// The configuration for M tokens and k_tiles 128-column k-tiles. forced (1..4, KBIT_WGMMA_CONFIG)
+// wins; 0 = by M: up to 64 tokens C1, or C1w where c1w (KBIT_WGMMA_C1W=1, opt-in: 256 rows read
+// each x tile once for twice the weights, half the CTAs); up to 128 tokens C3, whose 256 rows
+// halve the x bytes per weight; above that C3 on K >= 8192 (long k loops amortize its fill) and
+// C2 (twice the CTAs) on shorter K. From the H100 runs of every configuration side by side
+// (benchmarks/results/bench_linear_h100__s6_cluster.md): M = 96..128 C3 is within 4% of the best
+// configuration on the 8 Llama-3.1 8B / 70B shapes but 70B gate_up (C2 4-11% faster); M = 192..256
+// C2 is best on the 8B shapes with K = 4096 (gate_up 170 vs 220 us for C3) and C3 on 70B's.
+__host__ __device__ constexpr int pick_config(long long m, long long k_tiles, int forced, bool c1w) {
     return forced ? forced
            : m <= 64 ? (c1w ? kC1w : kC1)
-           : m <= 128 && (n_tiles + 15) / 16 < sms ? kC2
-                                                   : kC3;
+           : m <= 128 || k_tiles >= 64 ? kC3
+                                       : kC2;
 }
 
 // Split-K: CTA y of `splits` takes k-tiles [y * kchunk, y * kchunk + count); the host makes

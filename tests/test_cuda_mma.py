@@ -377,6 +377,24 @@ def test_ws_smoke(ws) -> None:
     _check(y, x, w32)
 
 
+@wgmma
+def test_ws_is_the_default_for_m_65_to_256(monkeypatch) -> None:
+    # unset KBIT_MMA_WGMMA: the warp-specialized kernel for 64 < M <= 256, mma.sync elsewhere
+    # (bitwise equal to the forced kernels: same configuration, deterministic reductions)
+    _wgmma_env(monkeypatch, "0")
+    n, k, bits = 1000, 4128, 4
+    qt, at, cb, w32 = _quantized(n, k, bits)
+    for m, kernel in [(64, "0"), (65, "2"), (200, "2"), (256, "2"), (257, "0")]:
+        x = _x(m, k, torch.float16, seed=m)
+        monkeypatch.delenv("KBIT_MMA_WGMMA", raising=False)
+        y = _mma(x, qt, at, cb, bits, n)
+        _check(y, x, w32)
+        if m == 257:  # mma.sync or its first wgmma variant, by shape: only check the result
+            continue
+        monkeypatch.setenv("KBIT_MMA_WGMMA", kernel)
+        assert torch.equal(_mma(x, qt, at, cb, bits, n), y), f"M={m}: not KBIT_MMA_WGMMA={kernel}"
+
+
 def _one_hot_all_columns(k: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.eye(k, dtype=dtype, device="cuda")  # token t = column t
 

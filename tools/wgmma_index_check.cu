@@ -171,20 +171,17 @@ static void check_configs() {
     const int want[kNumConfigs + 1][2] = {{0, 0}, {64, 64}, {64, 128}, {128, 128}, {128, 64}};
     for (int c = 1; c <= kNumConfigs; ++c)
         CHECK(config_rwg(c) == want[c][0] && config_tn(c) == want[c][1], "config %d shape", c);
-    for (const int sms : {114, 132})
-        for (const long long n_tiles : {1LL, 16LL, 256LL, 1792LL, 2111LL, 2112LL, 2113LL, 3584LL})
-            for (long long m = 1; m <= 1100; m += (m < 140 ? 1 : 37))
-                for (const bool c1w : {false, true}) {
-                    const int c = pick_config(m, n_tiles, sms, 0, c1w);
-                    const int ref = m <= 64 ? (c1w ? 4 : 1)
-                                    : m <= 128 && (n_tiles + 15) / 16 < sms ? 2
-                                                                            : 3;
-                    CHECK(c == ref, "pick_config(M=%lld, n_tiles=%lld, sms=%d, c1w=%d) = %d, want %d",
-                          m, n_tiles, sms, int(c1w), c, ref);
-                    CHECK(config_tn(c) >= (m <= 64 ? 64 : 128) || m > 128, "token tile too narrow");
-                    for (int f = 1; f <= kNumConfigs; ++f)
-                        CHECK(pick_config(m, n_tiles, sms, f, c1w) == f, "forced %d", f);
-                }
+    for (const long long k_tiles : {1LL, 32LL, 63LL, 64LL, 224LL})
+        for (long long m = 1; m <= 1100; m += (m < 140 ? 1 : 37))
+            for (const bool c1w : {false, true}) {
+                const int c = pick_config(m, k_tiles, 0, c1w);
+                const int ref = m <= 64 ? (c1w ? 4 : 1) : m <= 128 || k_tiles >= 64 ? 3 : 2;
+                CHECK(c == ref, "pick_config(M=%lld, k_tiles=%lld, c1w=%d) = %d, want %d", m, k_tiles,
+                      int(c1w), c, ref);
+                CHECK(config_tn(c) >= (m <= 64 ? 64 : 128) || m > 128, "token tile too narrow");
+                for (int f = 1; f <= kNumConfigs; ++f)
+                    CHECK(pick_config(m, k_tiles, f, c1w) == f, "forced %d", f);
+            }
 }
 
 // ---------------------------------------------------------------------------- 6. coverage
