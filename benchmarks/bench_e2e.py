@@ -11,8 +11,9 @@ file as they finish, and finished (method, batch) pairs are skipped when re-run.
     python benchmarks/bench_e2e.py --shape qwen3-30b-a3b --dtype bfloat16 --methods bf16,kbit4
         --batch 1,16,64 --tag _qwen3_30b_a3b        (one command line)
 
-A method is ``kbitK`` (online k-bit) or anything else (the unquantized model in ``--dtype``);
-the first unquantized method is the baseline of the table.
+A method is ``kbitK`` (online k-bit), ``kbitKlm`` (the same with the lm_head quantized too,
+config key ``quantize_lm_head``) or anything else (the unquantized model in ``--dtype``); the
+first unquantized method is the baseline of the table.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import select
 import statistics
 import subprocess
@@ -62,6 +64,14 @@ def model_dir(config: str | None, work: Path, shape: str = "llama-8b") -> Path:
     return d
 
 
+def kbit_config(method: str) -> dict:
+    """``kbitK`` / ``kbitKlm`` -> the ``quantization_config`` passed through ``hf_overrides``."""
+    m = re.fullmatch(r"kbit([2-5])(lm)?", method)
+    if m is None:
+        raise ValueError(f"bench_e2e: method {method!r} is not kbitK or kbitKlm with K in 2..5")
+    return {"quant_method": "kbit", "bits": int(m.group(1)), "quantize_lm_head": m.group(2) is not None}
+
+
 def worker(args: argparse.Namespace) -> None:
     """Runs inside the subprocess: one method, all batch sizes; prints one JSON line each."""
     from vllm import LLM, SamplingParams
@@ -71,9 +81,7 @@ def worker(args: argparse.Namespace) -> None:
               max_num_seqs=max(args.batch), gpu_memory_utilization=args.gpu_mem,
               enforce_eager=args.eager)  # fmt: skip
     if args.method.startswith("kbit"):
-        bits = int(args.method[4:])
-        kw.update(quantization="kbit",
-                  hf_overrides={"quantization_config": {"quant_method": "kbit", "bits": bits}})  # fmt: skip
+        kw.update(quantization="kbit", hf_overrides={"quantization_config": kbit_config(args.method)})
     t0 = time.perf_counter()
     llm = LLM(**kw)
     load_s = time.perf_counter() - t0
@@ -191,6 +199,9 @@ def main(argv: list[str] | None = None) -> None:
         else None
     )
     methods = args.methods.split(",")
+    for m in methods:  # a typo fails here, not after the baseline has run
+        if m.startswith("kbit"):
+            kbit_config(m)
     if res is None:
         meta = versions() | {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                              "command": " ".join([Path(sys.argv[0]).name] + (argv or sys.argv[1:])),

@@ -807,3 +807,20 @@ def test_fake_offline_mode(fake, monkeypatch) -> None:
     assert (
         calls.read_text().splitlines()[n:] == ["bench throughput None"] + ["bench latency None"] * 2
     )
+
+
+def test_bench_e2e_kbit_methods():
+    """bench_e2e's method names map to the quantization_config it passes to vLLM, and the
+    config parses (lm_head flag included); a malformed name is refused by name."""
+    from bench_e2e import kbit_config
+
+    from vllm_kbit.format import KbitQuantConfig
+
+    assert kbit_config("kbit4") == {"quant_method": "kbit", "bits": 4, "quantize_lm_head": False}
+    cfg = kbit_config("kbit2lm")
+    assert cfg == {"quant_method": "kbit", "bits": 2, "quantize_lm_head": True}
+    parsed = KbitQuantConfig.from_dict(cfg)
+    assert parsed.bits == 2 and parsed.quantize_lm_head
+    for bad in ("kbit6", "kbit4x", "kbitlm", "kbit"):
+        with pytest.raises(ValueError, match=bad):
+            kbit_config(bad)
