@@ -59,8 +59,8 @@ WG_MIN_M = 33  # the wgmma paths (mma_wg, mma_wg2, mma_wg2_c<N>) are timed above
 WG_FLAGS = {"mma": "0", "mma_wg": "1", "mma_wg2": "2"}
 # --wgmma2-config: the warp-specialized kernel with its tile configuration forced
 # (KBIT_WGMMA_CONFIG=N), timed as path mma_wg2_c<N>: 1 = C1 128 rows x 64 tokens, 2 = C2 128 x 128,
-# 3 = C3 256 x 128, 4 = C1w 256 x 64 (docs/wgmma-plan.md, sections 4 and 9).
-WG2_CONFIGS = (1, 2, 3, 4)
+# 3 = C3 256 x 128, 4 = C1w 256 x 64, 5 = C2w 128 x 256 (docs/wgmma-plan.md, sections 4 and 9).
+WG2_CONFIGS = (1, 2, 3, 4, 5)
 WG2_PREFIX = "mma_wg2_c"
 
 
@@ -203,7 +203,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     add("--wgmma2-config", dest="wgmma2_configs",
         help="comma list of tile configurations of the warp-specialized kernel to time side by side,\n"
              "each forced (KBIT_MMA_WGMMA=2 KBIT_WGMMA_CONFIG=N) as path mma_wg2_c<N>, M > 32:\n"
-             "1 = C1 128x64, 2 = C2 128x128, 3 = C3 256x128, 4 = C1w 256x64; implies --wgmma\n"
+             "1 = C1 128x64, 2 = C2 128x128, 3 = C3 256x128, 4 = C1w 256x64, 5 = C2w 128x256;\n"
+             "implies --wgmma\n"
              "(mma_wg2, the kernel's own choice, only with --wgmma2 too)")
     add("--time-budget-s", type=float, default=420.0, help="start no new shape/k after this")
     add("--vllm-ops-lib", help="vLLM's _C_stable_libtorch.abi3.so (or .xz), if vllm won't import")

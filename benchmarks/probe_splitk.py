@@ -29,7 +29,7 @@ SHAPES = {"8b.qkv": (6144, 4096), "8b.o": (4096, 4096), "8b.gate_up": (28672, 40
           "70b.down": (8192, 28672)}  # fmt: skip
 KERNELS = {
     "mma": {"KBIT_MMA_WGMMA": "0"},
-    **{f"c{c}": {"KBIT_MMA_WGMMA": "2", "KBIT_WGMMA_CONFIG": str(c)} for c in (1, 2, 3)},
+    **{f"c{c}": {"KBIT_MMA_WGMMA": "2", "KBIT_WGMMA_CONFIG": str(c)} for c in (1, 2, 3, 5)},
 }
 VARIANTS = {
     "auto": {},

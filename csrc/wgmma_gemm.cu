@@ -22,7 +22,8 @@
 //    Split-K over grid y where the grid would not fill the GPU, reduced as mma.cu does: through
 //    distributed shared memory in a cluster of the splits, else an fp32 workspace + reduce kernel.
 // Configurations (rows = 2 RWG per CTA x TN tokens): C1 128 x 64 (M <= 64), C2 128 x 128,
-// C3 256 x 128, C1w 256 x 64 (M <= 64 with KBIT_WGMMA_C1W=1, or forced: KBIT_WGMMA_CONFIG=4).
+// C3 256 x 128 (M <= 128), C1w 256 x 64 (M <= 64 with KBIT_WGMMA_C1W=1, or forced:
+// KBIT_WGMMA_CONFIG=4), C2w 128 x 256 (M > 128).
 // Device code exists only for sm_90a; other device passes compile a trap, and the host refuses
 // (clear error) unless this build has sm_90a code and the GPU is sm_90.
 #include <c10/cuda/CUDAException.h>
@@ -405,13 +406,13 @@ void run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& absma
     }
 }
 
-// Tile configuration (wg::pick_config, checked on the CPU): KBIT_WGMMA_CONFIG=1/2/3/4 forces
-// C1 = 128 x 64, C2 = 128 x 128, C3 = 256 x 128 or C1w = 256 x 64 (tests, tuning); unset = by M
-// and K, C1w for M <= 64 only with KBIT_WGMMA_C1W=1.
+// Tile configuration (wg::pick_config, checked on the CPU): KBIT_WGMMA_CONFIG=1..5 forces
+// C1 = 128 x 64, C2 = 128 x 128, C3 = 256 x 128, C1w = 256 x 64 or C2w = 128 x 256 (tests,
+// tuning); unset = by M, C1w for M <= 64 only with KBIT_WGMMA_C1W=1.
 int choose_config(int64_t M, int64_t k_tiles) {
     const int forced = env_int("KBIT_WGMMA_CONFIG", 0);
     TORCH_CHECK(forced >= 0 && forced <= wg::kNumConfigs,
-                "kbit::mma: KBIT_WGMMA_CONFIG must be 1, 2, 3 or 4, got ", forced);
+                "kbit::mma: KBIT_WGMMA_CONFIG must be 1, 2, 3, 4 or 5, got ", forced);
     return wg::pick_config(M, k_tiles, forced, env_int("KBIT_WGMMA_C1W", 0) == 1);
 }
 
@@ -430,6 +431,7 @@ void run_bits(int config, bool bf16, const at::Tensor& x, const at::Tensor& q, c
         case wg::kC1: run_config<BITS, wg::kC1>(bf16, x, q, a, cb, y, s); break;
         case wg::kC2: run_config<BITS, wg::kC2>(bf16, x, q, a, cb, y, s); break;
         case wg::kC1w: run_config<BITS, wg::kC1w>(bf16, x, q, a, cb, y, s); break;
+        case wg::kC2w: run_config<BITS, wg::kC2w>(bf16, x, q, a, cb, y, s); break;
         default: run_config<BITS, wg::kC3>(bf16, x, q, a, cb, y, s); break;
     }
 }

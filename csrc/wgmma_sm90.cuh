@@ -116,24 +116,27 @@ __host__ __device__ constexpr uint32_t empty_parity(int it, int stages) {
 }
 
 // Tile configurations (KBIT_WGMMA_CONFIG), rows x tokens per CTA = 2 RWG x TN:
-// C1 = 128 x 64, C2 = 128 x 128, C3 = 256 x 128, C1w = 256 x 64 (docs/wgmma-plan.md, section 4).
-enum TileConfig : int { kC1 = 1, kC2 = 2, kC3 = 3, kC1w = 4, kNumConfigs = 4 };
+// C1 = 128 x 64, C2 = 128 x 128, C3 = 256 x 128, C1w = 256 x 64, C2w = 128 x 256
+// (docs/wgmma-plan.md, section 4).
+enum TileConfig : int { kC1 = 1, kC2 = 2, kC3 = 3, kC1w = 4, kC2w = 5, kNumConfigs = 5 };
 __host__ __device__ constexpr int config_rwg(int c) { return c == kC3 || c == kC1w ? 128 : 64; }
-__host__ __device__ constexpr int config_tn(int c) { return c == kC1 || c == kC1w ? 64 : 128; }
+__host__ __device__ constexpr int config_tn(int c) {
+    return c == kC1 || c == kC1w ? 64 : c == kC2w ? 256 : 128;
+}
 
-// The configuration for M tokens and k_tiles 128-column k-tiles. forced (1..4, KBIT_WGMMA_CONFIG)
+// The configuration for M tokens and k_tiles 128-column k-tiles. forced (1..5, KBIT_WGMMA_CONFIG)
 // wins; 0 = by M: up to 64 tokens C1, or C1w where c1w (KBIT_WGMMA_C1W=1, opt-in: 256 rows read
 // each x tile once for twice the weights, half the CTAs); up to 128 tokens C3, whose 256 rows
-// halve the x bytes per weight; above that C3 on K >= 8192 (long k loops amortize its fill) and
-// C2 (twice the CTAs) on shorter K. From the H100 runs of every configuration side by side
+// halve the x bytes per weight. From the H100 runs of every configuration side by side
 // (benchmarks/results/bench_linear_h100__s6_cluster.md): M = 96..128 C3 is within 4% of the best
-// configuration on the 8 Llama-3.1 8B / 70B shapes but 70B gate_up (C2 4-11% faster); M = 192..256
-// C2 is best on the 8B shapes with K = 4096 (gate_up 170 vs 220 us for C3) and C3 on 70B's.
+// configuration on the 8 Llama-3.1 8B / 70B shapes but 70B gate_up (C2 4-11% faster).
+// Above 128 tokens C2w: one m64n256 wgmma per k16 step and warp instead of two m64n128 ones in two
+// token tiles, so every weight is dequantized once per 256 tokens, not per 128, and each wgmma
+// is twice as long for the same fence/commit/wait chain: with C2/C3 at M = 192..256 both CTAs
+// of a row block repeat the dequantization and the kernel ran at the M = 128 time twice
+// (bench_linear_h100__s6_dispatch.md: 8B layer k=4 158 us at M = 128, 318 us at M = 192).
 __host__ __device__ constexpr int pick_config(long long m, long long k_tiles, int forced, bool c1w) {
-    return forced ? forced
-           : m <= 64 ? (c1w ? kC1w : kC1)
-           : m <= 128 || k_tiles >= 64 ? kC3
-                                       : kC2;
+    return forced ? forced : m <= 64 ? (c1w ? kC1w : kC1) : m <= 128 ? kC3 : kC2w;
 }
 
 // Split-K: CTA y of `splits` takes k-tiles [y * kchunk, y * kchunk + count); the host makes

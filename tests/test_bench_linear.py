@@ -38,7 +38,7 @@ def test_parse_wgmma2_config() -> None:
     plain = bl.parse_args([])
     assert plain.wgmma2_configs == [] and not plain.wgmma
     assert bl.kbit_paths(plain) == list(bl.KBIT_PATHS)
-    for bad in ("5", "0", "1,x", ""):
+    for bad in ("6", "0", "1,x", ""):
         with pytest.raises(SystemExit):
             bl.parse_args(["--wgmma2-config", bad])
 
@@ -48,7 +48,7 @@ def test_wg2_path_names() -> None:
         path = bl.wg2_config_path(c)
         assert bl.wg2_config_of(path) == c and bl.is_wg_path(path)
         assert bl.check_ms(path) == bl.CHECK_MS["mma_wg2"]
-    for other in ("mma", "mma_wg2", "mma_wg2_c", "mma_wg2_c5", "mma_wg2_cx", "gemv"):
+    for other in ("mma", "mma_wg2", "mma_wg2_c", "mma_wg2_c6", "mma_wg2_cx", "gemv"):
         assert bl.wg2_config_of(other) is None
     assert bl.is_wg_path("mma_wg") and bl.is_wg_path("mma_wg2") and not bl.is_wg_path("mma")
     assert bl.check_ms("gemv") == bl.CHECK_MS["gemv"]
@@ -87,7 +87,7 @@ def test_kbit_fn_sets_and_restores_env(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_main_cpu_wgmma2_configs(tmp_path: Path) -> None:
     # every forced configuration is checked at CHECK_MS["mma_wg2"] and timed above M = 32 as its
     # own column, beside mma (mma.sync) and mma_wg
-    argv = [*BASE, "--m", "16,64", "--wgmma2-config", "1,2,3,4", "--out-dir", str(tmp_path)]
+    argv = [*BASE, "--m", "16,64", "--wgmma2-config", "1,2,3,4,5", "--out-dir", str(tmp_path)]
     assert bl.main(argv) == 0
     doc = json.loads((tmp_path / "bench_linear_cpu.json").read_text())
     by = {(p["method"], p["m"]): p for p in doc["points"]}
@@ -101,7 +101,7 @@ def test_main_cpu_wgmma2_configs(tmp_path: Path) -> None:
     assert ("mma_wg2", 64) not in by and by[("mma_wg", 64)]["status"] == "ok"
     md = (tmp_path / "bench_linear_cpu.md").read_text()
     assert "mma_wg2_c1" in md and "mma_wg2_c4" in md
-    assert doc["config"]["wgmma2_configs"] == [1, 2, 3, 4]
+    assert doc["config"]["wgmma2_configs"] == [1, 2, 3, 4, 5]
     assert "KBIT_MMA_WGMMA" not in os.environ and "KBIT_WGMMA_CONFIG" not in os.environ
 
 

@@ -352,11 +352,11 @@ def test_wgmma_real_shapes_and_splits(monkeypatch, m: int) -> None:
 # ------------------------------------- warp-specialized wgmma kernel (KBIT_MMA_WGMMA=2, sm_90a)
 # csrc/wgmma_gemm.cu: producer warpgroup (bulk copies + TMA), two consumer warpgroups (register
 # A, wgmma), mbarrier ring. Configurations (KBIT_WGMMA_CONFIG): 1 = 128 rows x 64 tokens,
-# 2 = 128 x 128, 3 = 256 x 128, 4 = C1w 256 x 64; unset = by M (C1w for M <= 64 only with
-# KBIT_WGMMA_C1W=1). First on a new build: test_ws_smoke (a protocol bug traps after 20 s
+# 2 = 128 x 128, 3 = 256 x 128, 4 = C1w 256 x 64, 5 = C2w 128 x 256; unset = by M (C1w for
+# M <= 64 only with KBIT_WGMMA_C1W=1). First on a new build: test_ws_smoke (a protocol bug traps after 20 s
 # instead of hanging; the process's CUDA context is then lost).
 
-WS_CONFIGS = ["1", "2", "3", "4"]
+WS_CONFIGS = ["1", "2", "3", "4", "5"]
 WS_MS = [1, 17, 64, 65, 100, 127, 128, 129, 200, 256, 300, 1000]
 
 
@@ -535,8 +535,8 @@ def test_ws_c1w_switch(ws, m: int, c1w: str | None, want: str | None) -> None:
 def test_ws_bad_config_is_a_clear_error(ws) -> None:
     n, k, bits = 64, 256, 4
     qt, at, cb, _ = _quantized(n, k, bits)
-    ws.setenv("KBIT_WGMMA_CONFIG", "5")
-    with pytest.raises(RuntimeError, match="KBIT_WGMMA_CONFIG must be 1, 2, 3 or 4"):
+    ws.setenv("KBIT_WGMMA_CONFIG", "6")
+    with pytest.raises(RuntimeError, match="KBIT_WGMMA_CONFIG must be 1, 2, 3, 4 or 5"):
         _mma(_x(64, k, torch.float16), qt, at, cb, bits, n)
 
 

@@ -65,7 +65,7 @@ if getattr(_C, "sm90a", 0) == 1 and torch.cuda.get_device_capability() == (9, 0)
     os.environ.pop("KBIT_MMA_WGMMA")
 
     # the warp-specialized kernel (KBIT_MMA_WGMMA=2, csrc/wgmma_gemm.cu): every configuration
-    # (KBIT_WGMMA_CONFIG 1/2/3/4, 4 = C1w 256 rows x 64 tokens; and C1w chosen by M through
+    # (KBIT_WGMMA_CONFIG 1..5, 4 = C1w 256 rows x 64 tokens, 5 = C2w 128 x 256; and C1w chosen by M through
     # KBIT_WGMMA_C1W=1), tails in N, K and M, and split-K through the cluster (DSMEM) and
     # workspace reductions. Not in the quick (racecheck) run: its shared memory is written by TMA
     # and bulk copies and read by wgmma (the async proxy) and ordered by mbarriers, which
@@ -83,6 +83,9 @@ if getattr(_C, "sm90a", 0) == 1 and torch.cuda.get_device_capability() == (9, 0)
                                        ("3", 65, {}), ("4", 40, {}),
                                        ("4", 64, {"KBIT_MMA_SPLITS": "3", "KBIT_MMA_FORCE_CLUSTER": "1"}),
                                        ("4", 17, {"KBIT_MMA_SPLITS": "2", "KBIT_MMA_NO_CLUSTER": "1"}),
+                                       ("5", 300, {"KBIT_MMA_SPLITS": "3", "KBIT_MMA_FORCE_CLUSTER": "1"}),
+                                       ("5", 129, {"KBIT_MMA_SPLITS": "2", "KBIT_MMA_NO_CLUSTER": "1"}),
+                                       ("", 200, {}),
                                        # "": no forced configuration (empty = unset), by M
                                        ("", 64, {"KBIT_WGMMA_C1W": "1"})):  # fmt: skip
                     os.environ.update(env, KBIT_WGMMA_CONFIG=config)

@@ -15,7 +15,7 @@
 //  3. the stage layout and the producer's copies: alignment, disjointness, every live tile's
 //     planes and absmax copied once, and expect_tx == the bytes issued;
 //  4. the x box columns of K tails: in bounds, and a duplicated half only where weights are padding;
-//  5. ring_plan on H100/H200 limits (the configuration table of the final report, C1/C2/C3/C1w)
+//  5. ring_plan on H100/H200 limits (the configuration table of the final report, C1/C2/C3/C1w/C2w)
 //     and the epilogue tile fitting in the ring; the configuration shapes and the choice by M;
 //  6. split_plan + k_range + the grid: every (row tile, k-tile, token) covered exactly once;
 //  7. the mbarrier ring protocol (full/empty parities, arrival counts, release point) under a
@@ -162,20 +162,21 @@ static void report_plans(int optin) {
     report_plan<BITS, config_rwg(kC2), config_tn(kC2)>("C2", optin);
     report_plan<BITS, config_rwg(kC3), config_tn(kC3)>("C3", optin);
     report_plan<BITS, config_rwg(kC1w), config_tn(kC1w)>("C1w", optin);
+    report_plan<BITS, config_rwg(kC2w), config_tn(kC2w)>("C2w", optin);
 }
 
 // ------------------------------------------------------------- 5b. configurations by M
-// The table of section 4: C1 128 x 64, C2 128 x 128, C3 256 x 128, C1w 256 x 64; the choice by
-// M (C1w at M <= 64 only when switched on) and forcing.
+// The table of section 4: C1 128 x 64, C2 128 x 128, C3 256 x 128, C1w 256 x 64, C2w 128 x 256;
+// the choice by M (C1w at M <= 64 only when switched on) and forcing.
 static void check_configs() {
-    const int want[kNumConfigs + 1][2] = {{0, 0}, {64, 64}, {64, 128}, {128, 128}, {128, 64}};
+    const int want[kNumConfigs + 1][2] = {{0, 0}, {64, 64}, {64, 128}, {128, 128}, {128, 64}, {64, 256}};
     for (int c = 1; c <= kNumConfigs; ++c)
         CHECK(config_rwg(c) == want[c][0] && config_tn(c) == want[c][1], "config %d shape", c);
     for (const long long k_tiles : {1LL, 32LL, 63LL, 64LL, 224LL})
         for (long long m = 1; m <= 1100; m += (m < 140 ? 1 : 37))
             for (const bool c1w : {false, true}) {
                 const int c = pick_config(m, k_tiles, 0, c1w);
-                const int ref = m <= 64 ? (c1w ? 4 : 1) : m <= 128 || k_tiles >= 64 ? 3 : 2;
+                const int ref = m <= 64 ? (c1w ? 4 : 1) : m <= 128 ? 3 : 5;
                 CHECK(c == ref, "pick_config(M=%lld, k_tiles=%lld, c1w=%d) = %d, want %d", m, k_tiles,
                       int(c1w), c, ref);
                 CHECK(config_tn(c) >= (m <= 64 ? 64 : 128) || m > 128, "token tile too narrow");
@@ -321,10 +322,12 @@ int main() {
     check_descriptor();
     check_x_tile<64>();
     check_x_tile<128>();
+    check_x_tile<256>();
     check_stage<2, 64, 64>(), check_stage<3, 64, 64>(), check_stage<4, 64, 64>(), check_stage<5, 64, 64>();
     check_stage<2, 64, 128>(), check_stage<3, 64, 128>(), check_stage<4, 64, 128>(), check_stage<5, 64, 128>();
     check_stage<2, 128, 128>(), check_stage<3, 128, 128>(), check_stage<4, 128, 128>(), check_stage<5, 128, 128>();
     check_stage<2, 128, 64>(), check_stage<3, 128, 64>(), check_stage<4, 128, 64>(), check_stage<5, 128, 64>();
+    check_stage<2, 64, 256>(), check_stage<3, 64, 256>(), check_stage<4, 64, 256>(), check_stage<5, 64, 256>();
     check_configs();
     check_x_boxes();
     for (const int optin : {232448 /* H100, H200: 227 KB */}) {
@@ -340,6 +343,7 @@ int main() {
             check_coverage<64, 128>(sh[0], sh[1], sh[2], want);
             check_coverage<128, 128>(sh[0], sh[1], sh[2], want);
             check_coverage<128, 64>(sh[0], sh[1], sh[2], want);
+            check_coverage<64, 256>(sh[0], sh[1], sh[2], want);
         }
     check_protocol();
     if (g_fail) {
