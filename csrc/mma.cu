@@ -321,13 +321,20 @@ bool use_wgmma(const at::Tensor& x, int64_t M, int64_t n) {
 
 }  // namespace
 
-// The warp-specialized wgmma kernel (wgmma_gemm.cu) by default for 64 < M <= 256 on sm_90 GPUs
-// (sm_90a builds): on the 8 Llama-3.1 8B / 70B shapes it is the fastest kbit kernel there
-// (H100, k=4, one decoder layer's linears: 8B M=128 155 us against 225 for the mma.sync /
-// dequant paths, fp16 182; benchmarks/results/bench_linear_h100__s6_cluster.md). Up to M = 64
-// the mma.sync kernel ties or wins (8B gate_up, M=64: 62 vs 93 us). KBIT_MMA_WGMMA=0/1/2 overrides.
-bool wgmma2_by_default(const at::Tensor& x, int64_t M) {
-    return M > 64 && M <= 256 && env_int("KBIT_MMA_WGMMA", -1) == -1 && sm90a_device(x);
+// The warp-specialized wgmma kernel (wgmma_gemm.cu) by default on sm_90 GPUs (sm_90a builds) for
+// 64 < M <= 256, and up to M = 1024 on layers of >= 32M weights (n x K). On the 8 Llama-3.1
+// 8B / 70B shapes it is the fastest kbit kernel for 64 < M <= 256 (H100, k=4, one decoder
+// layer's linears: 8B M=128 155 us against 225 for the mma.sync / dequant paths, fp16 182;
+// benchmarks/results/bench_linear_h100__s6_cluster.md). With its 128 x 256 configuration (C2w)
+// it also beats dequantize + cuBLAS on the big layers up to M = 1024 (70B layer, k=4, M=512:
+// 0.90x fp16 against 0.67x; 8B 0.74x against 0.64x), while on small ones (8B qkv, o) cuBLAS's
+// fixed cost of a 16-bit weight pass is small enough to win from M = 320
+// (bench_linear_h100__s7_c2w.md). Up to M = 64 the mma.sync kernel ties or wins (8B gate_up,
+// M=64: 62 vs 93 us). KBIT_MMA_WGMMA=0/1/2 overrides.
+bool wgmma2_by_default(const at::Tensor& x, int64_t M, int64_t n) {
+    const bool big = n * x.size(1) >= (int64_t{32} << 20);
+    return M > 64 && (M <= 256 || (M <= 1024 && big)) && env_int("KBIT_MMA_WGMMA", -1) == -1 &&
+           sm90a_device(x);
 }
 
 at::Tensor mma(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& absmax,
@@ -350,7 +357,7 @@ at::Tensor mma(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tens
     const bool aligned = reinterpret_cast<uintptr_t>(x_in.data_ptr()) % 16 == 0 &&
                          (M == 1 || x_in.stride(0) % 8 == 0);
     const at::Tensor x = aligned ? x_in : x_in.clone(at::MemoryFormat::Contiguous);
-    if (env_int("KBIT_MMA_WGMMA", -1) == 2 || wgmma2_by_default(x, M)) {  // warp-specialized kernel
+    if (env_int("KBIT_MMA_WGMMA", -1) == 2 || wgmma2_by_default(x, M, n)) {  // warp-specialized kernel
         wgmma_gemm(x, qweight, absmax, codebook, bits, y);
         return y;
     }

@@ -378,21 +378,32 @@ def test_ws_smoke(ws) -> None:
 
 
 @wgmma
-def test_ws_is_the_default_for_m_65_to_256(monkeypatch) -> None:
-    # unset KBIT_MMA_WGMMA: the warp-specialized kernel for 64 < M <= 256, mma.sync elsewhere
-    # (bitwise equal to the forced kernels: same configuration, deterministic reductions)
+@pytest.mark.parametrize("n,k,cases", [
+    # a small layer: the warp-specialized kernel for 64 < M <= 256 only
+    (1000, 4128, [(64, "0"), (65, "2"), (200, "2"), (256, "2"), (257, None)]),
+    # 8192 x 4096 = 32M weights: also up to M = 1024
+    (8192, 4096, [(257, "2"), (600, "2"), (1024, "2"), (1025, None)]),
+])  # fmt: skip
+def test_ws_is_the_default_for_m_65_to_256(monkeypatch, n: int, k: int, cases: list) -> None:
+    # unset KBIT_MMA_WGMMA: the warp-specialized kernel for 64 < M <= 256 and, on layers of
+    # >= 32M weights, up to M = 1024; mma.sync elsewhere (bitwise equal to the forced kernels:
+    # same configuration, deterministic reductions)
     _wgmma_env(monkeypatch, "0")
-    n, k, bits = 1000, 4128, 4
-    qt, at, cb, w32 = _quantized(n, k, bits)
-    for m, kernel in [(64, "0"), (65, "2"), (200, "2"), (256, "2"), (257, "0")]:
+    bits = 4
+    qt, at, cb, w32 = _quantized(n, k, bits, device="cuda" if n * k > 1 << 24 else "cpu")
+    for m, kernel in cases:
         x = _x(m, k, torch.float16, seed=m)
         monkeypatch.delenv("KBIT_MMA_WGMMA", raising=False)
         y = _mma(x, qt, at, cb, bits, n)
         _check(y, x, w32)
-        if m == 257:  # mma.sync or its first wgmma variant, by shape: only check the result
+        if kernel is None:  # mma.sync or its first wgmma variant, by shape: only check the result
             continue
         monkeypatch.setenv("KBIT_MMA_WGMMA", kernel)
         assert torch.equal(_mma(x, qt, at, cb, bits, n), y), f"M={m}: not KBIT_MMA_WGMMA={kernel}"
+        if kernel == "2":  # and kbit::linear takes kbit::mma there
+            monkeypatch.delenv("KBIT_MMA_WGMMA")
+            assert torch.equal(OPS.linear(x, qt, at, cb, bits, n), y), f"M={m}: linear"
+    _quantized.cache_clear()
 
 
 def _one_hot_all_columns(k: int, dtype: torch.dtype) -> torch.Tensor:
