@@ -135,8 +135,16 @@ __host__ __device__ constexpr int config_tn(int c) {
 // is twice as long for the same fence/commit/wait chain: with C2/C3 at M = 192..256 both CTAs
 // of a row block repeat the dequantization and the kernel ran at the M = 128 time twice
 // (bench_linear_h100__s6_dispatch.md: 8B layer k=4 158 us at M = 128, 318 us at M = 192).
+// Except for 192 < M <= 256 on K < 8192 (the 8B shapes but down): there C2w's one 256-token
+// tile per row block leaves too few CTAs or a bad last wave, and C2's two 128-token tiles win
+// (bench_linear_h100__s7_c2w.md, M = 256, k=4: 8B gate_up 171 vs 195 us, qkv 51 vs 62; at
+// M = 192 C2w still wins the layer, 300 vs 319 us).
 __host__ __device__ constexpr int pick_config(long long m, long long k_tiles, int forced, bool c1w) {
-    return forced ? forced : m <= 64 ? (c1w ? kC1w : kC1) : m <= 128 ? kC3 : kC2w;
+    return forced                            ? forced
+           : m <= 64                         ? (c1w ? kC1w : kC1)
+           : m <= 128                        ? kC3
+           : m > 192 && m <= 256 && k_tiles < 64 ? kC2
+                                              : kC2w;
 }
 
 // Split-K: CTA y of `splits` takes k-tiles [y * kchunk, y * kchunk + count); the host makes
