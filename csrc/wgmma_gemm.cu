@@ -282,8 +282,8 @@ __global__ void __launch_bounds__(wg::kThreads, 1)
 
 struct WgConfig {
     int smem = 0, stages = 0, copies_log2 = 0, table_bytes = 0, sms = 0;
-    bool cluster = false;  // the GPU co-schedules clusters of kMaxSplits CTAs of this kernel
-    int clusters[kMaxSplits + 1] = {};  // clusters of s CTAs it runs at once (s = 2..8)
+    int clusters[kMaxSplits + 1] = {};  // clusters of s CTAs it runs at once (s = 2..8; all 0
+                                        // unless a cluster of kMaxSplits fits: no DSMEM split-K)
 };
 
 // Per device and kernel (cached): table copies, stages and shared memory (wg::ring_plan).
@@ -316,8 +316,8 @@ WgConfig configure(int dev) {
     C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, wg::kThreads, c.smem));
     TORCH_CHECK(ctas >= 1, "kbit::mma (KBIT_MMA_WGMMA=2): the kernel does not fit on this GPU");
     c.sms = prop.multiProcessorCount;
-    c.cluster = cluster_fits(kernel, wg::kThreads, c.smem, kMaxSplits);  // split-K over DSMEM?
-    if (c.cluster) count_clusters(c.clusters, kernel, wg::kThreads, c.smem, kMaxSplits);
+    if (cluster_fits(kernel, wg::kThreads, c.smem, kMaxSplits))  // split-K over DSMEM?
+        count_clusters(c.clusters, kernel, wg::kThreads, c.smem, kMaxSplits);
     cache.emplace(dev, c);
     return c;
 }

@@ -384,7 +384,7 @@ def test_ws_smoke(ws) -> None:
     # 8192 x 4096 = 32M weights: also up to M = 1024
     (8192, 4096, [(257, "2"), (600, "2"), (1024, "2"), (1025, None)]),
 ])  # fmt: skip
-def test_ws_is_the_default_for_m_65_to_256(monkeypatch, n: int, k: int, cases: list) -> None:
+def test_ws_is_the_default_by_m_and_layer_size(monkeypatch, n: int, k: int, cases: list) -> None:
     # unset KBIT_MMA_WGMMA: the warp-specialized kernel for 64 < M <= 256 and, on layers of
     # >= 32M weights, up to M = 1024; mma.sync elsewhere (bitwise equal to the forced kernels:
     # same configuration, deterministic reductions)
