@@ -60,6 +60,10 @@ constexpr int kThreads = kWarps * 32;
 // 16 warps x 3-5 tiles x 0.6-1.3 KB = 46-64 KB in flight, which covers HBM latency at full rate.
 template <int kBits>
 constexpr int kPrefetch = kBits == 2 ? 6 : kBits == 3 ? 5 : 4;
+// Of those, loaded before the table fill (the rest after x is staged): with all kPrefetch in the
+// prologue, a CTA's ~400 loads back up the memory pipe and the warps reach the barrier late
+// (H100, 8B shapes, M=1: kEarly = 1 or 2 is 0.3-0.5 us per call faster than kPrefetch).
+constexpr int kEarly = 2;
 constexpr int kMaxM = 8;  // the MMA's N
 constexpr int kTableRows = 256;
 constexpr int kTableRows5 = 1024;
@@ -84,6 +88,7 @@ struct Params {
                            // of the warps' partial sums [kWarps][2][16][M]
     int row_shift;         // k = 5: log2 of the table row size (7: 32 copies, 6: 16 copies)
     bool x_vec;            // x rows are 16-byte aligned
+    bool pdl;              // launched with programmatic dependent launch: x only after pdl_wait
 };
 
 template <typename T>
@@ -287,69 +292,79 @@ __device__ __forceinline__ void tile_mma(const Tile<kBits>& tl, const uint8_t* t
 // Table entry of a pair index: half2(cb[c0], cb[c1]), where bit j of code c0 (c1) is bit
 // e + 2j (e + 1 + 2j) of idx: plane j of the pair sits at bits 2j, 2j+1 (e = 4: k=2, row g+8).
 template <int kBits, typename T>
-__device__ __forceinline__ uint32_t pair_value(const float* cb, int idx, int e) {
+__device__ __forceinline__ uint32_t pair_value(const float* cb_s, int idx, int e) {
     int c0 = 0, c1 = 0;
 #pragma unroll
     for (int j = 0; j < kBits; ++j) {
         c0 |= ((idx >> (e + 2 * j)) & 1) << j;
         c1 |= ((idx >> (e + 1 + 2 * j)) & 1) << j;
     }
-    return Cvt<T>::pair(cb_value(cb, c0), cb_value(cb, c1));
+    return Cvt<T>::pair(cb_s[c0], cb_s[c1]);
 }
 
 // Table of dequantized pairs (k=2: a pair of rows g and g+8), 32 copies per entry (k=5: 1 <<
-// (row_shift - 2)). At k=3 index bits 6-7 are don't-care: the entry repeats over them. A thread
-// computes an entry once and writes its 16-byte chunks in rotated order, so that the 8 threads
-// of a store phase (8 consecutive rows) hit 8 different bank groups.
+// (row_shift - 2)), from the codebook in shared memory (cb_s, already rounded by cb_value). At
+// k=3 index bits 6-7 are don't-care: the entry repeats over them. k=2..4 has 256 rows: two threads
+// share a row, each writing half of its 16-byte chunks. The chunks go in rotated order, so that
+// the 8 threads of a store phase (8 consecutive rows) hit 8 different bank groups.
 template <int kBits, typename T>
-__device__ void fill_table(uint8_t* table, const float* cb, int row_shift) {
-    const int rows = kBits == 5 ? kTableRows5 : kTableRows;
+__device__ __forceinline__ void fill_table(uint8_t* table, const float* cb_s, int row_shift) {
+    constexpr int kRows = kBits == 5 ? kTableRows5 : kTableRows;
+    constexpr int kParts = kRows < kThreads ? kThreads / kRows : 1;
     const int row_bytes = kBits == 5 ? 1 << row_shift : 256;
     const int chunks = (kBits == 2 || kBits == 5 ? row_bytes : 128) / 16;  // k=3,4: 128 B used
-    for (int idx = threadIdx.x; idx < rows; idx += kThreads) {
+    const int per_part = chunks / kParts;
+    for (int job = threadIdx.x; job < kRows * kParts; job += kThreads) {
+        const int idx = job % kRows, c0 = job / kRows * per_part;
         uint4 v;
         if constexpr (kBits == 2) {  // 8-byte entries: rows g (nibble 0), g+8 (nibble 1)
-            v.x = v.z = pair_value<kBits, T>(cb, idx, 0);
-            v.y = v.w = pair_value<kBits, T>(cb, idx, 4);
+            v.x = v.z = pair_value<kBits, T>(cb_s, idx, 0);
+            v.y = v.w = pair_value<kBits, T>(cb_s, idx, 4);
         } else {
-            v.x = v.y = v.z = v.w = pair_value<kBits, T>(cb, idx, 0);
+            v.x = v.y = v.z = v.w = pair_value<kBits, T>(cb_s, idx, 0);
         }
         uint8_t* row = table + idx * row_bytes;
-        for (int c = 0; c < chunks; ++c)
+        for (int c = c0; c < c0 + per_part; ++c)
             *reinterpret_cast<uint4*>(row + ((c + idx) & (chunks - 1)) * 16) = v;
     }
 }
 
 // x[:, K range] -> shared memory, per token row and 32-column block 64 B holding, for t = 0..3,
 // the 16 B that lane t needs: pairs (cols 2t + 8i, +1), i = 0..3. Columns >= K become 0 (the
-// padded weights are 0 too, and 0 * 0 keeps garbage out).
+// padded weights are 0 too, and 0 * 0 keeps garbage out). One (token m, block bl) is a thread's
+// job; load and store are separate so that the loads of token 0 can be issued before the weight
+// stream starts (they would otherwise queue behind it in the memory system, ~1 us).
+struct XJob {
+    uint32_t w[4][4];  // w[j][t] = column pair 4j + t of the block
+};
+
 template <typename T>
-__device__ void stage_x(uint8_t* xs, const Params& p, int k_begin, int k_len) {
-    const int nblk = k_len * kBlocksPerTile;
-    const T* x = static_cast<const T*>(p.x);
-    for (int e = threadIdx.x; e < p.M * nblk; e += kThreads) {
-        const int m = e / nblk, bl = e - m * nblk;
-        const int col = (k_begin * kBlocksPerTile + bl) * kBlock;
-        uint32_t w[4][4] = {};  // w[j][t] = column pair 4j + t of the block
-        if (col < p.K) {
-            const T* src = x + m * p.sx + col;
-            if (p.x_vec) {
+__device__ __forceinline__ XJob load_x(const Params& p, int k_begin, int m, int bl) {
+    XJob r = {};
+    const int col = (k_begin * kBlocksPerTile + bl) * kBlock;
+    if (col < p.K) {
+        const T* src = static_cast<const T*>(p.x) + m * p.sx + col;
+        if (p.x_vec) {
 #pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    const uint4 v = *reinterpret_cast<const uint4*>(src + 8 * j);
-                    w[j][0] = v.x, w[j][1] = v.y, w[j][2] = v.z, w[j][3] = v.w;
-                }
-            } else {
-                const uint16_t* s16 = reinterpret_cast<const uint16_t*>(src);
-#pragma unroll
-                for (int c = 0; c < 16; ++c)
-                    w[c >> 2][c & 3] = s16[2 * c] | static_cast<uint32_t>(s16[2 * c + 1]) << 16;
+            for (int j = 0; j < 4; ++j) {
+                const uint4 v = *reinterpret_cast<const uint4*>(src + 8 * j);
+                r.w[j][0] = v.x, r.w[j][1] = v.y, r.w[j][2] = v.z, r.w[j][3] = v.w;
             }
-        }
-        uint4* dst = reinterpret_cast<uint4*>(xs + m * p.xrow + bl * 64);
+        } else {
+            const uint16_t* s16 = reinterpret_cast<const uint16_t*>(src);
 #pragma unroll
-        for (int t = 0; t < 4; ++t) dst[t] = make_uint4(w[0][t], w[1][t], w[2][t], w[3][t]);
+            for (int c = 0; c < 16; ++c)
+                r.w[c >> 2][c & 3] = s16[2 * c] | static_cast<uint32_t>(s16[2 * c + 1]) << 16;
+        }
     }
+    return r;
+}
+
+__device__ __forceinline__ void store_x(uint8_t* xs, const Params& p, int m, int bl,
+                                        const XJob& v) {
+    uint4* dst = reinterpret_cast<uint4*>(xs + m * p.xrow + bl * 64);
+#pragma unroll
+    for (int t = 0; t < 4; ++t) dst[t] = make_uint4(v.w[0][t], v.w[1][t], v.w[2][t], v.w[3][t]);
 }
 
 // Stores a warp's sums for one n-tile (rows g, g+8; tokens 2t, 2t+1) into rows[16][M].
@@ -369,16 +384,33 @@ template <int kBits, typename T>
 __global__ void __launch_bounds__(kThreads, 1) gemv_kernel(const Params p) {
     extern __shared__ __align__(16) uint8_t smem[];  // [table][x rows][sums][warp partials]
     __shared__ int is_last;
+    __shared__ __align__(16) int slot_tile[kWarps * 2];  // warp w's slot s holds partial sums of this n-tile
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const int group = blockIdx.x / p.splits, split = blockIdx.x - group * p.splits;
-    const int n_begin = static_cast<int>(int64_t{group} * p.n_tiles / p.groups);
-    const int n_cta = static_cast<int>(int64_t{group + 1} * p.n_tiles / p.groups) - n_begin;
+    // Integer divisions are ~100-cycle dependent chains (no hardware divider): none where a
+    // quotient is known, and none in the epilogue.
+    const int group = p.splits == 1 ? blockIdx.x : blockIdx.x / p.splits;
+    const int split = blockIdx.x - group * p.splits;
+    // 32-bit: the host checks n_tiles * groups < 2^32 (a 64-bit division is a ~100-instruction
+    // call, and this runs on the latency chain before the first weight is used).
+    const unsigned n_tiles = p.n_tiles, gr = p.groups;
+    const int n_begin = static_cast<int>(group * n_tiles / gr);
+    const int n_cta = static_cast<int>((group + 1) * n_tiles / gr) - n_begin;
     const int k_begin = split * p.k_len, k_len = min(p.k_len, p.k_tiles - k_begin);
     const int units = n_cta * k_len;  // (n-tile, k-tile) pairs, n-major: consecutive in memory
-    const int u0 = static_cast<int>(int64_t{warp} * units / kWarps);
-    const int u1 = static_cast<int>(int64_t{warp + 1} * units / kWarps);
+    const int u0 = warp * units / kWarps, u1 = (warp + 1) * units / kWarps;  // host: no overflow
 
-    // The first tiles' loads fly while the table and x are set up.
+    // What the CTA reads before its first MMA is requested at once, in the order it is needed:
+    // the codebook, x (unless PDL: x is the previous kernel's output), each warp's first kEarly
+    // tiles. Issued after the weight loads, the codebook and x reads would queue behind the
+    // weight stream in the memory system (~2-5k cycles measured on H100 at 8B shapes).
+    __shared__ float cb_s[1 << kBits];
+    float cbv = 0.f;
+    if (threadIdx.x < (1 << kBits)) cbv = cb_value(p.cb, threadIdx.x);
+    const int nblk = k_len * kBlocksPerTile;
+    const bool has_x = threadIdx.x < nblk;  // token 0, block threadIdx.x
+    XJob xj;
+    if (!p.pdl && has_x) xj = load_x<T>(p, k_begin, 0, threadIdx.x);
+
     constexpr int D = kPrefetch<kBits>;
     const int64_t first = int64_t{n_begin + u0 / k_len} * p.k_tiles + k_begin + u0 % k_len;
     TileStream<kBits> ts;
@@ -393,20 +425,34 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_kernel(const Params p) {
     Tile<kBits> buf[D];
 #pragma unroll
     for (int i = 0; i < D; ++i) {
-        if (u0 + i < u1) {
+        if (i < kEarly && u0 + i < u1) {
             buf[i] = ts.load();
             ts.next();
         }
     }
 
-    fill_table<kBits, T>(smem, p.cb, p.row_shift);
-    // Up to here only constant data (weights, codebook) was read: with PDL this prologue overlaps
-    // the previous kernel's tail; x is that kernel's output.
+    if (threadIdx.x < (1 << kBits)) cb_s[threadIdx.x] = cbv;
+    __syncthreads();
+    fill_table<kBits, T>(smem, cb_s, p.row_shift);
+    // Up to here only constant data (weights, codebook) was read, unless x was: with PDL this
+    // prologue overlaps the previous kernel's tail; x is that kernel's output.
     pdl_wait();
-    stage_x<T>(smem + p.table_bytes, p, k_begin, k_len);
+    uint8_t* xs_s = smem + p.table_bytes;
+    if (p.pdl && has_x) xj = load_x<T>(p, k_begin, 0, threadIdx.x);
+    if (has_x) store_x(xs_s, p, 0, threadIdx.x, xj);
+    for (int m = 0; m < p.M; ++m)
+        for (int bl = threadIdx.x + (m == 0 ? kThreads : 0); bl < nblk; bl += kThreads)
+            store_x(xs_s, p, m, bl, load_x<T>(p, k_begin, m, bl));
     float* acc_s = reinterpret_cast<float*>(smem + p.acc_off);
     float* part_s = acc_s + n_cta * kTileN * p.M;
     __syncthreads();
+#pragma unroll
+    for (int i = 0; i < D; ++i) {
+        if (i >= kEarly && u0 + i < u1) {
+            buf[i] = ts.load();
+            ts.next();
+        }
+    }
 
     // x of this lane's token column (lanes past M repeat token M-1) and 16-byte chunk t.
     const uint8_t* xs0 = smem + p.table_bytes + min(g, p.M - 1) * p.xrow + t * 16;
@@ -416,8 +462,9 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_kernel(const Params p) {
                                            : lane * 4;
     // A warp adds up one n-tile segment of its run at a time. A segment spanning the n-tile's
     // whole K range is this warp's alone and goes to acc_s; only the first and the last segment
-    // of a run can be partial, they go to the warp's part_s slots 0 and 1, and the epilogue adds
-    // the slots of the warps sharing an n-tile in warp order: no atomics, deterministic.
+    // of a run can be partial, they go to the warp's part_s slots 0 and 1 (slot_tile says for
+    // which n-tile, as the offset of its sums in acc_s), and the epilogue adds the slots of an
+    // n-tile in warp order: no atomics, deterministic.
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
     float* acc_tile = acc_s + (u0 / k_len) * kTileN * p.M;  // this n-tile's sums
     float* part = part_s + warp * 2 * kTileN * p.M;
@@ -444,32 +491,44 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_kernel(const Params p) {
         }
     }
     pdl_trigger();  // the weights are streamed: the next kernel may start its prologue
+    if (lane == 0) {  // the loop's choices, for the epilogue: which n-tile each slot holds
+        const int f = u0 / k_len, l = (u1 - 1) / k_len;  // first and last n-tile of the run
+        const bool first_whole = u0 == f * k_len && u1 >= (f + 1) * k_len;
+        const bool last_part = l != f && u1 != (l + 1) * k_len;
+        slot_tile[warp * 2] = u0 < u1 && !first_whole ? f * kTileN * p.M : -1;
+        slot_tile[warp * 2 + 1] = u0 < u1 && last_part ? l * kTileN * p.M : -1;
+    }
     __syncthreads();
 
     // Output rows [16 n_begin, 16 (n_begin + n_cta)) of every token; padding rows >= n are skipped.
-    const int rows = n_cta * kTileN, row0 = n_begin * kTileN;
-    auto warp_of = [&](int u) { return (kWarps * (u + 1) - 1) / units; };  // run holding unit u
+    const int rows = min(n_cta * kTileN, p.n - n_begin * kTileN), row0 = n_begin * kTileN;
+    int st[kWarps * 2];
+#pragma unroll
+    for (int j = 0; j < kWarps * 2; j += 4) {  // 8 vector loads, not 32 dependent ones
+        const int4 v = *reinterpret_cast<const int4*>(slot_tile + j);
+        st[j] = v.x, st[j + 1] = v.y, st[j + 2] = v.z, st[j + 3] = v.w;
+    }
     T* y = static_cast<T*>(p.y);
-    for (int i = threadIdx.x; i < p.M * rows; i += kThreads) {
-        const int m = i / rows, r = i - m * rows, nl = r / kTileN;
-        if (row0 + r >= p.n) continue;
-        const int wa = warp_of(nl * k_len), wb = warp_of((nl + 1) * k_len - 1);
-        float v = 0.f;
-        if (wa == wb) {
-            v = acc_s[r * p.M + m];
-        } else {
-            for (int w = wa; w <= wb; ++w) {
-                const int w0 = w * units / kWarps;
-                if (w0 == (w + 1) * units / kWarps) continue;  // empty run
-                const int slot = w * 2 + (w0 / k_len == nl ? 0 : 1);
-                v += part_s[(slot * kTileN + r % kTileN) * p.M + m];
+    for (int m = 0; m < p.M; ++m) {
+        for (int r = threadIdx.x; r < rows; r += kThreads) {
+            // No division here: each is a ~100-cycle dependent chain on the critical path.
+            const int tile_off = r / kTileN * kTileN * p.M, rr = r % kTileN;
+            float v = 0.f;
+            bool shared = false;
+#pragma unroll
+            for (int j = 0; j < kWarps * 2; ++j) {
+                if (st[j] == tile_off) {
+                    v += part_s[(j * kTileN + rr) * p.M + m];
+                    shared = true;
+                }
             }
+            if (!shared) v = acc_s[r * p.M + m];  // one warp summed the whole n-tile
+            v *= 16.f;  // the absmax were applied as absmax/16
+            if (p.splits == 1)
+                y[int64_t{m} * p.n + row0 + r] = Cvt<T>::out(v);
+            else
+                p.ws[(int64_t{split} * p.M + m) * p.n + row0 + r] = v;
         }
-        v *= 16.f;  // the absmax were applied as absmax/16
-        if (p.splits == 1)
-            y[int64_t{m} * p.n + row0 + r] = Cvt<T>::out(v);
-        else
-            p.ws[(int64_t{split} * p.M + m) * p.n + row0 + r] = v;
     }
     if (p.splits == 1) return;
 
@@ -480,13 +539,13 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_kernel(const Params p) {
     __syncthreads();
     if (!is_last) return;
     __threadfence();
-    for (int i = threadIdx.x; i < p.M * rows; i += kThreads) {
-        const int m = i / rows, r = i - m * rows;
-        if (row0 + r >= p.n) continue;
-        float v = 0.f;
-        for (int s = 0; s < p.splits; ++s)  // L2 loads: the other CTAs' stores are not in our L1
-            v += __ldcg(p.ws + (int64_t{s} * p.M + m) * p.n + row0 + r);
-        y[int64_t{m} * p.n + row0 + r] = Cvt<T>::out(v);
+    for (int m = 0; m < p.M; ++m) {
+        for (int r = threadIdx.x; r < rows; r += kThreads) {
+            float v = 0.f;
+            for (int sp = 0; sp < p.splits; ++sp)  // L2 loads: other CTAs' stores are not in our L1
+                v += __ldcg(p.ws + (int64_t{sp} * p.M + m) * p.n + row0 + r);
+            y[int64_t{m} * p.n + row0 + r] = Cvt<T>::out(v);
+        }
     }
 }
 
@@ -549,8 +608,10 @@ void launch(const Params& p, const Plan& plan, int device, int64_t smem_max, cud
     // slower (kbit4 batch 1: 278 vs 293 tok/s, benchmarks/results/bench_e2e_h100_pdl.md), so it
     // is off by default.
     static const bool pdl = env_int("KBIT_PDL", 0) != 0 && pdl_supported(kernel);
+    Params q = p;
+    q.pdl = pdl;
     launch_kernel(kernel, dim3(plan.groups * plan.splits), kThreads, static_cast<int>(plan.smem),
-                  stream, 1, pdl, p);
+                  stream, 1, pdl, q);
 }
 
 template <typename T>
@@ -596,6 +657,9 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor
     const Plan plan = make_plan(M, shape.n_tiles, shape.k_tiles, bits, sms, smem_max);
     TORCH_CHECK(plan.splits > 0, "kbit::gemv: not enough shared memory (", smem_max,
                 " B per block) for M=", M);
+    // The kernel splits n-tiles over groups in 32-bit arithmetic.
+    TORCH_CHECK(shape.n_tiles * plan.groups < (int64_t{1} << 32), "kbit::gemv: n=", n,
+                " is too large");
 
     Params p{};
     p.qw = reinterpret_cast<const uint32_t*>(qweight.data_ptr<int32_t>());
