@@ -384,7 +384,8 @@ template <int kBits, typename T>
 __global__ void __launch_bounds__(kThreads, 1) gemv_kernel(const Params p) {
     extern __shared__ __align__(16) uint8_t smem[];  // [table][x rows][sums][warp partials]
     __shared__ int is_last;
-    __shared__ __align__(16) int slot_tile[kWarps * 2];  // warp w's slot s holds partial sums of this n-tile
+    // slot_tile[2w + s]: offset in acc_s of the n-tile whose partial sums warp w's slot s holds
+    __shared__ __align__(16) int slot_tile[kWarps * 2];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     // Integer divisions are ~100-cycle dependent chains (no hardware divider): none where a
     // quotient is known, and none in the epilogue.
