@@ -424,13 +424,14 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_kernel(const Params p) {
     ts.k_len = k_len;
     ts.left = k_len - u0 % k_len;
     Tile<kBits> buf[D];
-#pragma unroll
-    for (int i = 0; i < D; ++i) {
-        if (i < kEarly && u0 + i < u1) {
+    auto load_tile = [&](int i) {  // slot i of the warp's first D tiles, in stream order
+        if (u0 + i < u1) {
             buf[i] = ts.load();
             ts.next();
         }
-    }
+    };
+#pragma unroll
+    for (int i = 0; i < kEarly; ++i) load_tile(i);
 
     if (threadIdx.x < (1 << kBits)) cb_s[threadIdx.x] = cbv;
     __syncthreads();
@@ -448,12 +449,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_kernel(const Params p) {
     float* part_s = acc_s + n_cta * kTileN * p.M;
     __syncthreads();
 #pragma unroll
-    for (int i = 0; i < D; ++i) {
-        if (i >= kEarly && u0 + i < u1) {
-            buf[i] = ts.load();
-            ts.next();
-        }
-    }
+    for (int i = kEarly; i < D; ++i) load_tile(i);
 
     // x of this lane's token column (lanes past M repeat token M-1) and 16-byte chunk t.
     const uint8_t* xs0 = smem + p.table_bytes + min(g, p.M - 1) * p.xrow + t * 16;
