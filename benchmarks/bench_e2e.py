@@ -12,8 +12,9 @@ file as they finish, and finished (method, batch) pairs are skipped when re-run.
         --batch 1,16,64 --tag _qwen3_30b_a3b        (one command line)
 
 A method is ``kbitK`` (online k-bit), ``kbitKlm`` (the same with the lm_head quantized too,
-config key ``quantize_lm_head``) or anything else (the unquantized model in ``--dtype``); the
-first unquantized method is the baseline of the table.
+config key ``quantize_lm_head``), either of them + ``pdl`` (run with ``KBIT_PDL=1``: the GEMV
+uses programmatic dependent launch; no other method sees that variable) or anything else (the
+unquantized model in ``--dtype``); the first unquantized method is the baseline of the table.
 """
 
 from __future__ import annotations
@@ -65,11 +66,21 @@ def model_dir(config: str | None, work: Path, shape: str = "llama-8b") -> Path:
 
 
 def kbit_config(method: str) -> dict:
-    """``kbitK`` / ``kbitKlm`` -> the ``quantization_config`` passed through ``hf_overrides``."""
-    m = re.fullmatch(r"kbit([2-5])(lm)?", method)
+    """``kbitK[lm][pdl]`` -> the ``quantization_config`` passed through ``hf_overrides``
+    (``lm``: quantize the lm_head too; ``pdl``: the same config, run with ``KBIT_PDL=1``)."""
+    m = re.fullmatch(r"kbit([2-5])(lm)?(pdl)?", method)
     if m is None:
-        raise ValueError(f"bench_e2e: method {method!r} is not kbitK or kbitKlm with K in 2..5")
+        raise ValueError(f"bench_e2e: method {method!r} is not kbitK[lm][pdl] with K in 2..5")
     return {"quant_method": "kbit", "bits": int(m.group(1)), "quantize_lm_head": m.group(2) is not None}
+
+
+def method_env(method: str) -> dict[str, str]:
+    """Environment of a method's worker: ``...pdl`` methods launch the GEMV with programmatic
+    dependent launch (``KBIT_PDL=1``), every other method without it."""
+    env = {k: v for k, v in os.environ.items() if k != "KBIT_PDL"}
+    if method.startswith("kbit") and method.endswith("pdl"):
+        env["KBIT_PDL"] = "1"
+    return env
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -230,7 +241,8 @@ def main(argv: list[str] | None = None) -> None:
         t0 = time.time()
         log = out / f"bench_e2e{args.tag}_{m}.log"
         with open(log, "w") as f:
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=f, text=True, start_new_session=True)
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=f, text=True,
+                                    start_new_session=True, env=method_env(m))
             try:
                 # vLLM's engine process inherits the pipe and can outlive the worker: never wait
                 # for EOF; poll, and stop once the worker has exited and its lines are read.

@@ -821,6 +821,19 @@ def test_bench_e2e_kbit_methods():
     assert cfg == {"quant_method": "kbit", "bits": 2, "quantize_lm_head": True}
     parsed = KbitQuantConfig.from_dict(cfg)
     assert parsed.bits == 2 and parsed.quantize_lm_head
-    for bad in ("kbit6", "kbit4x", "kbitlm", "kbit"):
+    assert kbit_config("kbit4lmpdl") == {"quant_method": "kbit", "bits": 4, "quantize_lm_head": True}
+    for bad in ("kbit6", "kbit4x", "kbitlm", "kbit", "kbit4pdllm"):
         with pytest.raises(ValueError, match=bad):
             kbit_config(bad)
+
+
+def test_bench_e2e_method_env(monkeypatch):
+    """Only ``...pdl`` methods run with KBIT_PDL=1; a KBIT_PDL in the caller's environment does
+    not leak into the other methods (they would not measure what their name says)."""
+    from bench_e2e import method_env
+
+    monkeypatch.setenv("KBIT_PDL", "1")
+    assert method_env("kbit4pdl")["KBIT_PDL"] == "1"
+    assert method_env("kbit2lmpdl")["KBIT_PDL"] == "1"
+    for m in ("fp16", "kbit4", "kbit4lm"):
+        assert "KBIT_PDL" not in method_env(m)
