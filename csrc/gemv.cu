@@ -601,9 +601,9 @@ void launch(const Params& p, const Plan& plan, int device, int64_t smem_max, cud
     });
     // sm_90, opt-in (KBIT_PDL=1): programmatic dependent launch, so that the table fill and the
     // first weight loads overlap the previous kernel's tail (see pdl_wait). Measured on H100: a
-    // chain of GEMVs gets 10-14% faster (8B layer, M=1), but vLLM decode of an 8B model got ~5%
-    // slower (kbit4 batch 1: 278 vs 293 tok/s, benchmarks/results/bench_e2e_h100_pdl.md), so it
-    // is off by default.
+    // chain of GEMVs gets ~9% faster (8B layer, M=1, k=4), but vLLM decode of an 8B model is not
+    // (one run: kbit4 batch 1 300 vs 303 tok/s, benchmarks/results/bench_e2e_h100_s9.md): there
+    // the GEMV follows vLLM's kernels, which do not trigger early. Off by default.
     static const bool pdl = env_int("KBIT_PDL", 0) != 0 && pdl_supported(kernel);
     Params q = p;
     q.pdl = pdl;
