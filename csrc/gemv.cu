@@ -35,7 +35,12 @@
 // LOP3/SHF per word, 16 PRMT + 16 LDS.64), k=3: ~180, k=5: ~280 (its addresses are SHF+LOP3).
 // At ~1.75 GHz that is below the HBM time of every k on H100 (k=2 is the closest: ~9 us of
 // issue vs ~11 us of bandwidth on Llama-3-8B gate_up). Shared memory: 2 B of table per weight
-// (+x), ~64 weights/clk/SM.
+// (+x), ~64 weights/clk/SM. Measured (ncu, H100; benchmarks/results/gemv_streaming_h100_s9.md),
+// the loop does not reach either bound: ptxas puts all of its global loads on one scoreboard, so
+// the first use of a prefetched tile also waits for the loads issued after it (about one memory
+// latency per tile and warp): 70B gate_up runs at ~55% of HBM bandwidth at k=2, ~76% at k=4.
+// A cp.async ring with exact waits removed that stall but then hit shared-memory latency and the
+// MIO queue, with no net gain, so the register ring stays.
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
