@@ -65,10 +65,14 @@ def model_dir(config: str | None, work: Path, shape: str = "llama-8b") -> Path:
     return d
 
 
+# kbit method names: kbitK[lm][pdl], K in 2..5.
+KBIT_METHOD = re.compile(r"kbit([2-5])(lm)?(pdl)?")
+
+
 def kbit_config(method: str) -> dict:
     """``kbitK[lm][pdl]`` -> the ``quantization_config`` passed through ``hf_overrides``
     (``lm``: quantize the lm_head too; ``pdl``: the same config, run with ``KBIT_PDL=1``)."""
-    m = re.fullmatch(r"kbit([2-5])(lm)?(pdl)?", method)
+    m = KBIT_METHOD.fullmatch(method)
     if m is None:
         raise ValueError(f"bench_e2e: method {method!r} is not kbitK[lm][pdl] with K in 2..5")
     return {"quant_method": "kbit", "bits": int(m.group(1)), "quantize_lm_head": m.group(2) is not None}
@@ -78,7 +82,8 @@ def method_env(method: str) -> dict[str, str]:
     """Environment of a method's worker: ``...pdl`` methods launch the GEMV with programmatic
     dependent launch (``KBIT_PDL=1``), every other method without it."""
     env = {k: v for k, v in os.environ.items() if k != "KBIT_PDL"}
-    if method.startswith("kbit") and method.endswith("pdl"):
+    m = KBIT_METHOD.fullmatch(method)
+    if m is not None and m.group(3):
         env["KBIT_PDL"] = "1"
     return env
 
