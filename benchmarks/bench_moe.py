@@ -7,9 +7,11 @@ plain-torch bf16 baseline (per-expert matmuls on the gathered tokens) always.
 kbit series (--kbit-paths): ``kbit`` = ``moe_dispatch.kbit_moe``, exactly what
 ``KbitMoEMethod.apply`` runs (the grouped kernel, or from KBIT_MOE_DEQUANT_MIN_M /
 KBIT_MOE_DEQUANT_MIN_TPE on, the experts dequantized + vLLM's fused_experts; [D] marks those
-points); ``kbit_kernel`` = the grouped kernel ``torch.ops.kbit.moe`` alone; ``kbit_dequant`` =
-the dequant path forced (for M >= --dequant-series-min-m). The last two side by side give the
-crossover M to set the thresholds to (pass them with --env to time ``kbit`` with them).
+points); ``kbit_kernel`` = ``torch.ops.kbit.moe`` alone (its GEMV decode path for T * topk <=
+KBIT_MOE_GEMV_MAX_SLOTS, default 16, else the grouped MMA kernels); ``kbit_gemv`` /
+``kbit_grouped`` = those two paths forced (gemv only where it applies: <= 64 slots, T <= 8);
+``kbit_dequant`` = the dequant path forced (for M >= --dequant-series-min-m). Forced series side
+by side give the crossover M to set the thresholds to (pass them with --env to time ``kbit``).
 
     python3 benchmarks/bench_moe.py [--shapes qwen3,mixtral,e512] [--bits 2,3,4,5]
         [--m 1,2,4,...] [--baselines torch,vllm,marlin] [--kbit-paths auto,kernel,dequant]
@@ -61,7 +63,8 @@ ALL_MS = (1, 2, 4, 8, 16, 32, 64, 256, 1024, 4096)
 @dataclass
 class Point:
     shape: str
-    method: str  # kbit (moe_dispatch.kbit_moe), kbit_kernel, kbit_dequant, torch, vllm_bf16, marlin
+    method: str  # kbit (moe_dispatch.kbit_moe), kbit_kernel / _gemv / _grouped / _dequant, torch,
+    #              vllm_bf16, marlin
     bits: int | None
     m: int
     us: float | None = None
@@ -120,18 +123,50 @@ def dequant_experts(w, bits, h, i, dtype):
     return w13, w2
 
 
-KBIT_PATHS = {"auto": "kbit", "kernel": "kbit_kernel", "dequant": "kbit_dequant"}
+KBIT_PATHS = {"auto": "kbit", "kernel": "kbit_kernel", "dequant": "kbit_dequant",
+              "gemv": "kbit_gemv", "grouped": "kbit_grouped"}  # fmt: skip
+# kbit::moe's two kernel paths forced (csrc/moe_gemv.cu: the GEMV path takes T * topk <=
+# KBIT_MOE_GEMV_MAX_SLOTS, default 16, at most 64 slots and 8 tokens).
+PATH_ENV = {"gemv": {"KBIT_MOE_GEMV_MAX_SLOTS": "64"}, "grouped": {"KBIT_MOE_GEMV_MAX_SLOTS": "0"}}
+GEMV_MAX_SLOTS, GEMV_MAX_T = 64, 8
+
+
+@contextlib.contextmanager
+def _env(values: dict[str, str]):
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def kbit_fn(x, w, tw, ids, bits, i, path="auto", **kw):
     """One kbit MoE call: path "auto" = moe_dispatch.kbit_moe (what KbitMoEMethod.apply runs),
-    "kernel" = torch.ops.kbit.moe, "dequant" = moe_dispatch.moe_dequant (kw: max_bytes)."""
+    "kernel" = torch.ops.kbit.moe, "gemv" / "grouped" = torch.ops.kbit.moe with its GEMV /
+    grouped-MMA path forced (PATH_ENV, set around each call: a CUDA graph captures the path
+    taken), "dequant" = moe_dispatch.moe_dequant (kw: max_bytes)."""
     from vllm_kbit import moe_dispatch
 
-    fn = {"auto": moe_dispatch.kbit_moe, "kernel": torch.ops.kbit.moe,
-          "dequant": moe_dispatch.moe_dequant}[path]  # fmt: skip
+    fn = {"auto": moe_dispatch.kbit_moe, "kernel": torch.ops.kbit.moe, "gemv": torch.ops.kbit.moe,
+          "grouped": torch.ops.kbit.moe, "dequant": moe_dispatch.moe_dequant}[path]  # fmt: skip
     q13, a13, q2, a2, cb = w
-    return lambda: fn(x, q13, a13, q2, a2, cb, tw, ids, None, bits, i, "silu", False, **kw)
+    env = PATH_ENV.get(path, {})
+
+    def call():
+        with _env(env):
+            return fn(x, q13, a13, q2, a2, cb, tw, ids, None, bits, i, "silu", False, **kw)
+
+    return call
+
+
+def gemv_ok(m: int, topk: int) -> bool:
+    """Can kbit::moe's GEMV path take M tokens of top-k (csrc/moe_gemv.cu's caps)?"""
+    return m * topk <= GEMV_MAX_SLOTS and m <= GEMV_MAX_T
 
 
 def torch_fn(x, w13, w2, tw, ids):
@@ -364,7 +399,9 @@ def main(argv=None) -> int:
     ap.add_argument("--baselines", default="torch,vllm,marlin")
     ap.add_argument("--kbit-paths", default="auto,kernel,dequant",
                     help="kbit series: auto (kbit_moe, as vLLM runs it), kernel (kbit::moe\n"
-                         "alone), dequant (dequantize + vLLM fused_experts, forced)")  # fmt: skip
+                         "alone), gemv / grouped (kbit::moe with its GEMV decode path or its\n"
+                         "grouped MMA kernels forced; gemv only where it applies),\n"
+                         "dequant (dequantize + vLLM fused_experts, forced)")  # fmt: skip
     ap.add_argument("--dequant-series-min-m", type=int, default=256,
                     help="time the forced dequant series from this M on")  # fmt: skip
     ap.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
@@ -495,12 +532,15 @@ def main(argv=None) -> int:
                 # the kernel; the dequant path in one chunk and in three (chunking and the
                 # chunk expert_maps on the GPU)
                 third = -(-e // 3) * moe_dispatch.expert_bytes(h, i, dtype)
-                variants = [("kernel", {}), ("dequant", {}), ("dequant", {"max_bytes": third})]
+                variants = [("kernel", {}), ("gemv", {}), ("grouped", {}), ("dequant", {}),
+                            ("dequant", {"max_bytes": third})]  # fmt: skip
                 for m in [1, 37]:
                     tw, ids = routing(m, e, topk, 99, dev)
                     x = torch.randn(m, h, device=dev).to(dtype)
                     want = reference_moe.moe_tiled(x, *w, tw, ids, None, bits, i, "silu", False)
                     for pth, kw in variants:
+                        if pth == "gemv" and not gemv_ok(m, topk):
+                            continue
                         label = pth + (" (3 chunks)" if kw else "")
                         try:
                             err = rel_err(kbit_fn(x, w, tw, ids, bits, i, pth, **kw)(), want)
@@ -522,9 +562,12 @@ def main(argv=None) -> int:
                 for pth in kbit_paths:
                     if pth == "dequant" and m < a.dequant_series_min_m:
                         continue
+                    if pth == "gemv" and not gemv_ok(m, topk):
+                        continue
                     fns = [kbit_fn(x, w, tw, ids, bits, i, pth) for x, (tw, ids) in zip(xs, rs)]
                     taken = {"auto": "dequant" if moe_dispatch.use_dequant(m, topk, e) else "kernel",
-                             "kernel": "kernel", "dequant": "dequant"}[pth]  # fmt: skip
+                             "kernel": "kernel", "dequant": "dequant", "gemv": "gemv",
+                             "grouped": "grouped"}[pth]  # fmt: skip
                     measure(sh, KBIT_PATHS[pth], bits, m, fns, active, eb, taken)
             del w
             torch.cuda.empty_cache()
@@ -607,7 +650,9 @@ def markdown(points, meta, notes, checks, shapes) -> str:
               "tokens / time. `x bf16` = vLLM bf16 fused_experts time / this time (torch baseline "
               "when vLLM is absent); `x Marlin` = fused_marlin_moe W4A16 time / this time. "
               "`kbit` = moe_dispatch.kbit_moe (what KbitMoEMethod.apply runs; [D]: it took the "
-              "dequant + fused_experts path at that M), `kbit_kernel` = kbit::moe alone, "
+              "dequant + fused_experts path at that M), `kbit_kernel` = kbit::moe alone (its "
+              "GEMV path for T * topk <= KBIT_MOE_GEMV_MAX_SLOTS, default 16, else the grouped "
+              "kernels), `kbit_gemv` / `kbit_grouped` = those two paths forced, "
               "`kbit_dequant` = the dequant path forced. Dispatch settings: "
               f"`{meta.get('kbit_dispatch')}`.")
     lines += ["", legend, ""]

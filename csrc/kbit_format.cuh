@@ -94,9 +94,9 @@ inline int env_int(const char* name, int fallback) {  // test and tuning hooks (
 
 // cudaLaunchKernelEx with an optional thread-block cluster (along y) and the programmatic
 // dependent launch attribute (only for kernels whose pdl_supported() is true).
-template <typename Kernel, typename Arg>
+template <typename Kernel, typename... Args>
 void launch_kernel(Kernel kernel, dim3 grid, int threads, int smem, cudaStream_t stream,
-                   int cluster_y, bool pdl, const Arg& arg) {
+                   int cluster_y, bool pdl, const Args&... args) {
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid;
     cfg.blockDim = dim3(threads);
@@ -118,7 +118,7 @@ void launch_kernel(Kernel kernel, dim3 grid, int threads, int smem, cudaStream_t
     }
     cfg.attrs = attr;
     cfg.numAttrs = n;
-    C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, arg));
+    C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
 }
 
 // Two floats -> packed fp16x2 / bf16x2 bits (low half = first).
@@ -131,6 +131,23 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
         const __half2 h = __floats2half2_rn(lo, hi);
         return *reinterpret_cast<const uint32_t*>(&h);
     }
+}
+
+// Gated MoE activations (vLLM's MoEActivation: act(h[:, :I]) * h[:, I:]), as moe.cu and the
+// MoE GEMV stages (gemv.cuh) compute them: fp32, from h rounded to the activation dtype.
+enum Act : int { kSilu = 0, kGelu = 1, kGeluTanh = 2 };
+
+template <bool BF16>
+__device__ __forceinline__ float round_to(float v) {
+    if constexpr (BF16) return __bfloat162float(__float2bfloat16_rn(v));
+    else return __half2float(__float2half_rn(v));
+}
+
+__device__ __forceinline__ float act_fn(float v, int act) {
+    if (act == kSilu) return v / (1.0f + expf(-v));
+    if (act == kGelu) return 0.5f * v * (1.0f + erff(v * 0.70710678118654752f));
+    const float inner = 0.79788456080286536f * (v + 0.044715f * v * v * v);  // sqrt(2/pi)
+    return 0.5f * v * (1.0f + tanhf(inner));
 }
 
 // Sizes of the runtime layout of W[n, k].

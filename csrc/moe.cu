@@ -60,7 +60,6 @@ constexpr int64_t kAtomicMaxT = 16;  // decode: atomics by default up to this ma
 
 enum Gemm : int { kGateUp = 0, kDown = 1 };
 enum OutMode : int { kSlots = 0, kAtomic = 1 };
-enum Act : int { kSilu = 0, kGelu = 1, kGeluTanh = 2 };
 
 // Where the slots of a call go: the local expert of slot s, and (routing kernel) the sorted
 // slots and tile list.
@@ -133,19 +132,6 @@ __device__ __forceinline__ int block_exclusive_scan(int v, int* ws, int& total) 
     total = ws[32];
     __syncthreads();  // ws may be reused right away
     return r;
-}
-
-template <bool BF16>
-__device__ __forceinline__ float round_to(float v) {
-    if constexpr (BF16) return __bfloat162float(__float2bfloat16_rn(v));
-    else return __half2float(__float2half_rn(v));
-}
-
-__device__ __forceinline__ float act_fn(float v, int act) {
-    if (act == kSilu) return v / (1.0f + expf(-v));
-    if (act == kGelu) return 0.5f * v * (1.0f + erff(v * 0.70710678118654752f));
-    const float inner = 0.79788456080286536f * (v + 0.044715f * v * v * v);  // sqrt(2/pi)
-    return 0.5f * v * (1.0f + tanhf(inner));
 }
 
 // act(h_gate) * h_up for 4 columns: h rounded to the dtype, product in fp32 rounded once
@@ -883,6 +869,12 @@ at::Tensor moe(const at::Tensor& x_in, const at::Tensor& w13_qweight, const at::
     c.weight_on_input = apply_router_weight_on_input;
     c.bf16 = x_in.scalar_type() == at::kBFloat16;
     c.s13 = s13, c.s2 = s2;
+    // Decode (few slots): two GEMV launches over the slots' experts (moe_gemv.cu).
+    if (moe_gemv_takes(T, topk)) {
+        moe_gemv(c.x, y, c.ids, c.tw, c.emap, w13_qweight, w13_absmax, w2_qweight, w2_absmax,
+                 codebook, bits, I, act, apply_router_weight_on_input);
+        return y;
+    }
 
     // Token tile: the expected slots per active expert (uniform routing), KBIT_MOE_TM overrides.
     const double local_frac =

@@ -7,7 +7,8 @@ intermediate roundings. The kernel must be within 2x the error of the reference 
 one-ulp floor), for every k, fp16/bf16, every activation, E in {8, 16, 128, 512}, top-k in
 {1, 2, 8}, T from 1 to 8192, uneven and empty expert loads, expert_map with -1, every kernel
 path (in-CTA routing / routing kernel, split-K cluster / workspace, per-slot rows / atomics,
-token tiles 8..64, with and without programmatic dependent launch), and under CUDA-graph replay.
+token tiles 8..64, with and without programmatic dependent launch; the GEMV decode path of
+csrc/moe_gemv.cu for few slots, including its split-K plans), and under CUDA-graph replay.
 When vLLM is importable, its bf16 ``fused_experts`` on the dequantized weights is checked the
 same way.
 
@@ -38,7 +39,8 @@ ACTS = {
     "gelu_tanh": lambda h: F.gelu(h, approximate="tanh"),
 }
 ENV_VARS = ("KBIT_MOE_TM", "KBIT_MOE_SPLITS", "KBIT_MOE_NO_CLUSTER", "KBIT_MOE_NO_PDL",
-            "KBIT_MOE_ROUTE_KERNEL", "KBIT_MOE_ATOMIC", "KBIT_MOE_DETERMINISTIC")  # fmt: skip
+            "KBIT_MOE_ROUTE_KERNEL", "KBIT_MOE_ATOMIC", "KBIT_MOE_DETERMINISTIC",
+            "KBIT_MOE_GEMV_MAX_SLOTS")  # fmt: skip
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -259,6 +261,7 @@ def test_router_weight_on_input(dtype: torch.dtype) -> None:
     {"KBIT_MOE_ATOMIC": "1", "KBIT_MOE_SPLITS": "3"},
 ])  # fmt: skip
 def test_kernel_paths(monkeypatch, env: dict[str, str]) -> None:
+    monkeypatch.setenv("KBIT_MOE_GEMV_MAX_SLOTS", "0")  # the grouped kernels at every T
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     for t in [1, 3, 20, 200]:
@@ -270,6 +273,7 @@ def test_split_reductions_agree(monkeypatch, t: int) -> None:
     # cluster (sm_90) and workspace reductions add the splits in the same order: bit-identical;
     # every deterministic path repeats bit for bit
     monkeypatch.setenv("KBIT_MOE_DETERMINISTIC", "1")  # T <= 16 would take atomics
+    monkeypatch.setenv("KBIT_MOE_GEMV_MAX_SLOTS", "0")  # the grouped kernels' reductions
     e, h, i, bits = 16, 512, 384, 4
     ex = _experts(e, h, i, bits)
     tw, ids = _routing(t, e, 4, t)
@@ -282,6 +286,107 @@ def test_split_reductions_agree(monkeypatch, t: int) -> None:
         assert torch.equal(_moe(x, ex, tw, ids, None, bits), y)
         monkeypatch.setenv("KBIT_MOE_NO_CLUSTER", "1")
         assert torch.equal(_moe(x, ex, tw, ids, None, bits), y)
+
+
+# ------------------------------------------------------------------ GEMV decode path
+# csrc/moe_gemv.cu: taken when T * topk <= KBIT_MOE_GEMV_MAX_SLOTS (cap 64) and T <= 8.
+
+
+@pytest.fixture
+def gemv(monkeypatch):
+    monkeypatch.setenv("KBIT_MOE_GEMV_MAX_SLOTS", "64")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", [2, 3, 4, 5])
+def test_gemv_all_bits(gemv, bits: int, dtype: torch.dtype) -> None:
+    # H = 160: a partial k-tile in gate_up; I = 96: each slot's down K padded from 96 to 128
+    for t in range(1, 9):
+        _run_check(t, 8, 2, 160, 96, bits, dtype, seed=bits)
+    for t in [1, 2, 5, 8]:  # top-8 of 128 experts: 8..64 slots
+        _run_check(t, 128, 8, 256, 128, bits, dtype, skew=2.0)
+
+
+@pytest.mark.parametrize("act", list(ACTS))
+def test_gemv_activations_and_weight_on_input(gemv, act: str) -> None:
+    for t in [1, 3, 8]:
+        _run_check(t, 16, 4, 128, 64, 3, torch.float16, act=act)
+        _run_check(t, 8, 1, 128, 64, 4, torch.bfloat16, act=act, on_input=True)
+
+
+@pytest.mark.parametrize("t", [1, 3, 8])
+def test_gemv_expert_map_and_bad_ids(gemv, t: int) -> None:
+    e_local, e_global = 16, 32
+    emap = torch.full((e_global,), -1, dtype=torch.int32, device="cuda")
+    emap[1::2] = torch.arange(e_local, dtype=torch.int32, device="cuda")
+    _run_check(t, e_local, 4, 128, 64, 4, torch.bfloat16, emap=emap, e_global=e_global)
+    _run_check(t, 16, 4, 128, 64, 2, torch.float16, ids_dtype=torch.int64, skew=6.0)
+    ex = _experts(16, 128, 64, 4)
+    x = _x(t, 128, torch.float16, seed=t)
+    tw = torch.rand(t, 2, device="cuda")
+    ids = torch.tensor([[0, 99], [-1, 3], [16, 1]] * 3, dtype=torch.int32, device="cuda")[:t]
+    _check(_moe(x, ex, tw, ids, None, 4), x, ex[5], ex[6], tw, ids, None, "silu", False)
+    none = torch.full((16,), -1, dtype=torch.int32, device="cuda")  # no local expert: zeros
+    assert bool((_moe(x, ex, tw, ids, none, 4) == 0).all())
+
+
+def test_gemv_split_k(gemv) -> None:
+    # down with few output tiles and a long K' (H = 128, topk 8 x I = 4096) and gate_up with
+    # few rows and a long K (topk 1, I = 32, H = 8192): both plans split K over CTAs
+    for t in [1, 2]:
+        _run_check(t, 16, 8, 128, 4096, 4, torch.bfloat16)
+        _run_check(t, 4, 1, 8192, 32, 2, torch.float16)
+
+
+def test_gemv_equals_grouped_within_tolerance_and_repeats(monkeypatch) -> None:
+    # both paths against the oracle on the same call; the GEMV repeats bit for bit
+    e, h, i, bits = 128, 2048, 768, 4
+    ex = _experts(e, h, i, bits)
+    for t in [1, 2]:
+        tw, ids = _routing(t, e, 8, t)
+        x = _x(t, h, torch.bfloat16)
+        monkeypatch.setenv("KBIT_MOE_GEMV_MAX_SLOTS", "64")
+        y = _moe(x, ex, tw, ids, None, bits)
+        _check(y, x, ex[5], ex[6], tw, ids, None, "silu", False)
+        assert torch.equal(_moe(x, ex, tw, ids, None, bits), y)
+        monkeypatch.setenv("KBIT_MOE_GEMV_MAX_SLOTS", "0")
+        _check(_moe(x, ex, tw, ids, None, bits), x, ex[5], ex[6], tw, ids, None, "silu", False)
+    _experts.cache_clear()
+
+
+@pytest.mark.parametrize("t,no_pdl", [(1, False), (1, True), (4, False)])
+def test_gemv_cuda_graph_replay(monkeypatch, gemv, t: int, no_pdl: bool) -> None:
+    if no_pdl:
+        monkeypatch.setenv("KBIT_MOE_NO_PDL", "1")
+    e, h, i, bits = 32, 512, 256, 4
+    ex = _experts(e, h, i, bits)
+    tw, ids = _routing(t, e, 4, 0)
+    x = _x(t, h, torch.bfloat16)
+    graph, y_static = capture(lambda: _moe(x, ex, tw, ids, None, bits))
+    for seed in [5, 6, 7]:  # new tokens and routing in the same buffers
+        tw2, ids2 = _routing(t, e, 4, seed, skew=float(seed - 4))
+        x.copy_(_x(t, h, torch.bfloat16, seed=seed))
+        tw.copy_(tw2)
+        ids.copy_(ids2)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y_static, _moe(x, ex, tw, ids, None, bits))  # deterministic
+        _check(y_static, x, ex[5], ex[6], tw, ids, None, "silu", False)
+
+
+def test_gemv_strided_x(gemv) -> None:
+    e, h, i, bits, t = 8, 128, 64, 4, 3
+    ex = _experts(e, h, i, bits)
+    tw, ids = _routing(t, e, 2, 3)
+    x = _x(t, h, torch.float16)
+    y = _moe(x, ex, tw, ids, None, bits)
+    _check(y, x, ex[5], ex[6], tw, ids, None, "silu", False)
+    wide = torch.zeros(t, h + 64, dtype=x.dtype, device="cuda")
+    wide[:, :h] = x
+    shifted = torch.zeros(t, h + 1, dtype=x.dtype, device="cuda")
+    shifted[:, 1:] = x
+    for view in [wide[:, :h], shifted[:, 1:]]:
+        assert torch.equal(_moe(view, ex, tw, ids, None, bits), y)
 
 
 # Real layer shapes (quantized on the GPU): Qwen3-30B-A3B (TP1 I=768, TP2 I=384), Mixtral-8x7B
@@ -342,6 +447,7 @@ def test_vs_vllm_fused_experts(t: int) -> None:
                                    (4, {"KBIT_MOE_NO_CLUSTER": "1"}), (64, {}),
                                    (600, {}), (600, {"KBIT_MOE_ATOMIC": "1"})])  # fmt: skip
 def test_cuda_graph_replay_equals_eager(monkeypatch, t: int, env: dict[str, str]) -> None:
+    monkeypatch.setenv("KBIT_MOE_GEMV_MAX_SLOTS", "0")  # the grouped kernels (GEMV: below)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     e, h, i, bits = 32, 512, 256, 4

@@ -99,8 +99,9 @@ if getattr(_C, "sm90a", 0) == 1 and torch.cuda.get_device_capability() == (9, 0)
                         os.environ.pop(var)
     os.environ.pop("KBIT_MMA_WGMMA")
 
-# kbit::moe: in-CTA routing and the routing kernel, cluster / workspace split-K, per-slot rows
-# and atomics, an expert map with -1, a partial column group (I = 96) and k-tile (H = 160).
+# kbit::moe: the GEMV decode path, in-CTA routing and the routing kernel, cluster / workspace
+# split-K, per-slot rows and atomics, an expert map with -1, a partial column group (I = 96)
+# and k-tile (H = 160).
 # (skipped under KBIT_MOE_REFERENCE=1, where kbit::moe is the reference on CUDA)
 if hasattr(K_OPS, "moe") and "moe" not in getattr(ops, "_cuda_reference_ops", ["moe"]):
     from vllm_kbit import reference_moe
@@ -118,8 +119,12 @@ if hasattr(K_OPS, "moe") and "moe" not in getattr(ops, "_cuda_reference_ops", ["
             # T <= 16 takes atomics by default; DETERMINISTIC keeps the cluster / workspace
             # split-K reductions covered there
             det = {"KBIT_MOE_DETERMINISTIC": "1"}
-            for t, topk, env in ((1, 2, {}), (3, 2, {"KBIT_MOE_SPLITS": "2", **det}),
-                                 (5, 2, {"KBIT_MOE_SPLITS": "2", "KBIT_MOE_NO_CLUSTER": "1", **det}),
+            grouped = {"KBIT_MOE_GEMV_MAX_SLOTS": "0"}  # else T * topk <= 16 takes the GEMV
+            gemv = {"KBIT_MOE_GEMV_MAX_SLOTS": "64"}
+            for t, topk, env in ((1, 2, gemv), (3, 2, gemv), (8, 8, gemv), (1, 2, grouped),
+                                 (3, 2, {"KBIT_MOE_SPLITS": "2", **det, **grouped}),
+                                 (5, 2, {"KBIT_MOE_SPLITS": "2", "KBIT_MOE_NO_CLUSTER": "1",
+                                         **det, **grouped}),
                                  (150, 2, {}), (40, 8, {"KBIT_MOE_ATOMIC": "1"}),
                                  (64, 1, {"KBIT_MOE_TM": "64"})):
                 for k, v in env.items():

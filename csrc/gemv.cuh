@@ -1,0 +1,861 @@
+// SPDX-License-Identifier: Apache-2.0
+// kbit::gemv: y[M, n] = x[M, K] @ W^T for decode batches M <= 8, x/y fp16 or bf16, fp32
+// accumulation. W[n, K] is read once, from the runtime tiled layout of docs/format.md (16x128
+// tiles; per lane and bit plane 8 bytes; one E4M4 absmax per row and 32-column block).
+//
+// Design (one CTA of 16 warps per SM; one warp computes one 16x128 tile at a time):
+//  * Tensor cores do the multiply: the tile bytes of a lane are exactly its A fragments of
+//    mma.m16n8k16 (weights = A, 16 rows), x is B and the MMA's 8 columns carry the M <= 8 tokens.
+//    Each weight is dequantized once and one MMA serves all tokens, so M=4 issues the same
+//    instructions as M=1 (lanes whose token column is >= M read token M-1; their sums are dropped).
+//  * Dequantization = one shared-memory load per PAIR of adjacent columns (= one A register):
+//    the k bit planes are transposed with shift/LOP3 on whole 32-bit words so that the 2k bits of
+//    a column pair sit in one byte, and T[idx] = half2(cb[lo], cb[hi]) is the pair. k=2 goes one
+//    step further: one byte indexes the same pair in rows g and g+8, and one 8-byte load returns
+//    two consecutive A registers.
+//    The table is replicated 32 times (entry i of lane l at byte i*256 + l*4, resp. l*8), so the
+//    32 random lookups of a warp always hit 32 different banks, and the address is a single PRMT
+//    (table byte in bits 8-15, lane offset in bits 0-7). k=5 (10-bit pair index) uses rows of
+//    128 B (64 B where shared memory is short) and a shift+LOP3 address.
+//  * absmax: the MMA sums one 32-column block (two k16 steps) from zero; 4 FFMA then add it to
+//    the fp32 accumulators times the block's absmax (decoded exactly as fp16 bits, value/16; the
+//    16 is restored at the output). Per block only fp32 crosses blocks.
+//  * Work split: a CTA owns a contiguous range of n-tiles and one range of K (split-K across CTAs
+//    only where n-tiles alone cannot fill the GPU or x does not fit in shared memory: fp32
+//    partials per split, the last CTA of the row group adds them in order). Inside the CTA the
+//    (n-tile, k-tile) units are dealt to the warps in contiguous runs (all warps get the same
+//    count +-1); each warp streams its run with kPrefetch tiles in registers and stores its
+//    per-n-tile sums in shared memory, which the epilogue adds in a fixed order: no atomics on
+//    data, the result is deterministic.
+//
+// Issue slots per tile and lane (64 weights), sm_90 SASS of the main loop, k=4: 32 LOP3/SHF/IMAD
+// (bit-plane transpose), 32 PRMT (table addresses), 32 LDS.32 (pairs), 4 LDS.128 (x), 8 HMMA,
+// 8 absmax ops + 8 HADD2.F32, 16 FFMA, 6 LDG, ~40 loop, address and bookkeeping = ~185, i.e.
+// ~2.9 per weight, half of them on the half-rate integer ALU; no shuffles. k=2: ~140 (12
+// LOP3/SHF per word, 16 PRMT + 16 LDS.64), k=3: ~180, k=5: ~280 (its addresses are SHF+LOP3).
+// At ~1.75 GHz that is below the HBM time of every k on H100 (k=2 is the closest: ~9 us of
+// issue vs ~11 us of bandwidth on Llama-3-8B gate_up). Shared memory: 2 B of table per weight
+// (+x), ~64 weights/clk/SM. Measured (ncu, H100; benchmarks/results/gemv_streaming_h100_s9.md),
+// the loop does not reach either bound: ptxas puts all of its global loads on one scoreboard, so
+// the first use of a prefetched tile also waits for the loads issued after it (about one memory
+// latency per tile and warp): 70B gate_up runs at ~55% of HBM bandwidth at k=2, ~76% at k=4.
+// A cp.async ring with exact waits removed that stall but then hit shared-memory latency and the
+// MIO queue, with no net gain, so the register ring stays.
+//
+// MoE decode (kbit::moe with few slots, moe_gemv.cu): the same kernel, template kMode, runs the
+// two GEMMs of an MoE layer as GEMVs over "virtual" weights whose tiles come from the experts the
+// slots were routed to (each slot s = t * topk + j is an M=1 GEMV; the MMA's 8 columns all read
+// the slot's token):
+//  * kMoeGateUp: rows = S slots x 2I, K = H; n-tile v belongs to slot v / (2I/16) and reads that
+//    slot's expert; x = the T token rows. Output h [S, 2I] in x.dtype (the reference's rounding).
+//  * kMoeDown: rows = T tokens x H, K' = topk x I (each slot's I padded to whole k-tiles); k-tile
+//    kt of token t reads expert of slot (t, kt / k-tiles-per-expert). x' = act(gate) * up of the
+//    slots, computed from h while x' is staged; the router weight scales the slot's per-block
+//    fp32 absmax factors, so the sum over the top-k slots is the K' reduction itself.
+//  Slots whose expert is not local (expert_map -1) load and compute nothing (their tiles add 0).
+#pragma once
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <mutex>
+#include <type_traits>
+
+#include "kbit_format.cuh"
+#include "ops.h"
+
+namespace kbit {
+namespace {
+
+constexpr int kWarps = 16;  // one CTA per SM: the table is filled once per SM
+constexpr int kThreads = kWarps * 32;
+// Tiles per warp in registers (kPrefetch - 1 loads in flight while one is computed): per SM
+// 16 warps x 3-5 tiles x 0.6-1.3 KB = 46-64 KB in flight, which covers HBM latency at full rate.
+template <int kBits>
+constexpr int kPrefetch = kBits == 2 ? 6 : kBits == 3 ? 5 : 4;
+// Of those, loaded before the table fill (the rest after x is staged): with all kPrefetch in the
+// prologue, a CTA's ~400 loads back up the memory pipe and the warps reach the barrier late
+// (H100, 8B shapes, M=1: kEarly = 1 or 2 is 0.3-0.5 us per call faster than kPrefetch).
+constexpr int kEarly = 2;
+constexpr int kMaxM = 8;  // the MMA's N
+constexpr int kTableRows = 256;
+constexpr int kTableRows5 = 1024;
+constexpr int kTableBytes = kTableRows * 256;  // k = 2..4: 64 KB
+constexpr int kXPad = 64;  // x row stride = 64 mod 128 B: 2 token rows of an LDS.128 share no bank
+
+enum Mode : int { kDense = 0, kMoeGateUp = 1, kMoeDown = 2 };
+constexpr int kMoeMaxSlots = 64;  // MoE decode: T * topk slots, one shared-memory entry each
+
+// MoE modes only (see the header comment). A kernel parameter of its own: folded into Params, the
+// larger struct changes the dense kernel's sm_90 code (the measured one).
+struct MoeArgs {
+    const int32_t* ids32;  // topk_ids [S] (one of ids32 / ids64 is set)
+    const int64_t* ids64;
+    const int32_t* emap;   // expert_map [emap_n] or null
+    const float* topk_w;   // [S]
+    const void* h;         // kMoeDown: the gate_up output [S, 2I]
+    uint32_t q_expert;     // per-expert stride of qw (8-byte units) and of am (4-byte units)
+    uint32_t a_expert;
+    int emap_n, S, topk, E, I;
+    int nte;  // n-tiles per slot (gate_up: 2I/16) or per token (down: H/16)
+    int kte;  // k-tiles per expert (gate_up: k_tiles; down: I padded to 128, / 128)
+    int act;
+    bool weight_on_input;  // topk == 1: the router weight scales h (before rounding) instead
+};
+
+struct Params {
+    const uint32_t* qw;  // tiled bit planes (MoE: of expert 0; experts follow at q_expert)
+    const uint8_t* am;   // tiled absmax
+    const float* cb;     // codebook [2^bits]
+    const void* x;       // [M, K], row stride sx elements
+    void* y;             // [M, n]
+    float* ws;           // split-K only: fp32 partial sums [splits][M][n]
+    unsigned* arrived;   // split-K only: CTAs done per row group (zeroed)
+    int64_t sx;
+    int M, K, n, n_tiles, k_tiles;  // MoE: M = 1, n and n_tiles virtual (rows over slots/tokens)
+    int k_len;             // k-tiles per split (the last split may have fewer)
+    int splits, groups;    // grid = groups x splits CTAs; a group owns a range of n-tiles
+    int xrow;              // bytes per token row of staged x: k_len * 256 + kXPad
+    int table_bytes;       // shared-memory offset of x
+    int acc_off;           // shared-memory offset of the fp32 sums [CTA's n-tiles][16][M], then
+                           // of the warps' partial sums [kWarps][2][16][M]
+    int row_shift;         // k = 5: log2 of the table row size (7: 32 copies, 6: 16 copies)
+    bool x_vec;            // x rows are 16-byte aligned
+    bool pdl;              // launched with programmatic dependent launch: x only after pdl_wait
+    int Mx;                // token rows of x staged in shared memory (dense: M; MoE: T)
+};
+
+template <typename T>
+struct Cvt;
+template <>
+struct Cvt<__half> {
+    static __device__ __forceinline__ uint32_t pair(float lo, float hi) {
+        return pack2<false>(lo, hi);
+    }
+    static __device__ __forceinline__ __half out(float v) { return __float2half_rn(v); }
+};
+template <>
+struct Cvt<__nv_bfloat16> {
+    static __device__ __forceinline__ uint32_t pair(float lo, float hi) {
+        return pack2<true>(lo, hi);
+    }
+    static __device__ __forceinline__ __nv_bfloat16 out(float v) { return __float2bfloat16_rn(v); }
+};
+
+
+// Weights are read exactly once: keep them out of L1.
+__device__ __forceinline__ uint2 ld_stream_v2(const uint2* p) {
+    uint2 v;
+    asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ uint32_t ld_stream_u32(const uint32_t* p) {
+    uint32_t v;
+    asm("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ uint32_t lds32(const uint8_t* p) {
+    return *reinterpret_cast<const uint32_t*>(p);
+}
+__device__ __forceinline__ uint2 lds64(const uint8_t* p) {
+    return *reinterpret_cast<const uint2*>(p);
+}
+
+// Bits of a where m is set, bits of b elsewhere: one LOP3 (written in PTX because the compiler
+// otherwise folds the mask into a shift of b and spends two).
+template <uint32_t kMask>
+__device__ __forceinline__ uint32_t bsel(uint32_t a, uint32_t b) {
+    uint32_t r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xE4;" : "=r"(r) : "r"(a), "r"(b), "n"(kMask));
+    return r;
+}
+
+// PRMT selector: byte q of the index word -> address bits 8-15, lane offset -> bits 0-7.
+__device__ __forceinline__ constexpr uint32_t addr_sel(int q) { return 0x5504u | (q << 4); }
+
+// fp16 bits of two absmax bytes at bits 0 and 16, as float: E4M4 placed at fp16 bit 6 is an fp16
+// (e -> exponent, m -> top mantissa bits, e=0 -> subnormal) of exactly absmax / 16.
+__device__ __forceinline__ float absmax_div16(uint32_t h2, int hi) {
+    const __half2 h = *reinterpret_cast<const __half2*>(&h2);
+    return hi ? __high2float(h) : __low2float(h);
+}
+
+template <int kBits>
+struct Tile {
+    uint2 q[kBits];  // bit plane j: this lane's 8 bytes; word w holds blocks 2w, 2w+1
+    uint32_t am[2];  // absmax of rows g and g + 8, blocks 0..3
+    int xo;          // MoE: byte offset of the tile's x in shared memory (-1: slot not local)
+    float w;         // kMoeDown: the slot's router weight
+};
+
+// A warp's stream of tiles: 32-bit element offsets of this lane's first plane word (8 B units)
+// and row-g absmax word (4 B units) of the current tile; after k_len tiles it jumps to the same
+// K range of the next n-tile.
+template <int kBits>
+struct TileStream {
+    const uint2* q;
+    const uint32_t* a;
+    uint32_t qo, ao, q_jump, a_jump;
+    int left, k_len;
+
+    __device__ __forceinline__ Tile<kBits> load() const {
+        Tile<kBits> r;
+#pragma unroll
+        for (int j = 0; j < kBits; ++j) r.q[j] = ld_stream_v2(q + qo + j * 32);  // 256 B per plane
+        r.am[0] = ld_stream_u32(a + ao);
+        r.am[1] = ld_stream_u32(a + ao + 8);  // row g + 8
+        return r;
+    }
+    __device__ __forceinline__ void next() {
+        qo += kBits * 32;
+        ao += 16;
+        if (--left == 0) left = k_len, qo += q_jump, ao += a_jump;
+    }
+};
+
+// MoE modes: a warp's stream over virtual tiles. Tile (v, kt) of the run: gate_up v = slot *
+// nte + nt, kt = k-tile of H; down v = token * nte + nt, kt = j * kte + lk (slot token * topk + j).
+// Its bytes are those of tile (nt, lk) of the slot's expert. Positions advance by counters (no
+// divisions in the loop); the slot's local expert and router weight come from shared memory.
+template <int kBits, bool kDown>
+struct MoeStream {
+    const uint2* q;
+    const uint32_t* a;
+    const int* s_e;      // local expert per slot, -1: not on this rank
+    const float* s_w;    // router weight per slot
+    uint32_t q_expert, a_expert, lane_q, lane_a;
+    int nte, kte, topk, k_len, xrow;
+    int left;            // k-tiles of the current n-tile still to load
+    int nt, lk, j;       // n-tile within the slot / token; k-tile within the expert; slot of token
+    int lk0, j0;         // lk, j at the CTA's first k-tile
+    int slot0;           // first slot of the current n-tile (gate_up: the slot; down: t * topk)
+    int jj;              // gate_up: slot0 - token * topk
+    int xrow_off;        // byte offset of the current token's staged x row
+
+    __device__ __forceinline__ Tile<kBits> load() const {
+        Tile<kBits> r;
+        const int slot = slot0 + (kDown ? j : 0);
+        const int e = s_e[slot];
+        r.xo = -1;
+        r.w = 0.f;
+        if (e >= 0) {
+            const uint32_t tile = static_cast<uint32_t>(nt * kte + lk);
+            const uint2* qp = q + e * q_expert + tile * (kBits * 32) + lane_q;
+            const uint32_t* ap = a + e * a_expert + tile * 16 + lane_a;
+#pragma unroll
+            for (int i = 0; i < kBits; ++i) r.q[i] = ld_stream_v2(qp + i * 32);
+            r.am[0] = ld_stream_u32(ap);
+            r.am[1] = ld_stream_u32(ap + 8);
+            r.xo = xrow_off + (k_len - left) * (kTileK * 2);
+            if constexpr (kDown) r.w = s_w[slot];
+        }
+        return r;
+    }
+    __device__ __forceinline__ void next() {
+        if (--left == 0) {
+            left = k_len, lk = lk0, j = j0;
+            if (++nt == nte) {
+                nt = 0;
+                if constexpr (kDown) {
+                    slot0 += topk, xrow_off += xrow;
+                } else {
+                    ++slot0;
+                    if (++jj == topk) jj = 0, xrow_off += xrow;
+                }
+            }
+        } else if (++lk == kte && kDown) {
+            lk = 0, ++j;
+        }
+    }
+};
+
+// The A fragments of the two k16 steps of one 32-column block, a[s] = {row g cols c, c+1;
+// row g+8 cols c, c+1; row g cols c+8, c+9; row g+8 cols c+8, c+9} with c = 2t + 16s. Byte
+// 2b+h of a plane word holds block b, row half h; its bits 2i, 2i+1 are pair i = cols 2t+8i+{0,1}.
+// `ix` are the index words of one plane word w (blocks 2w, 2w+1), bb = b - 2w.
+template <int kBits>
+struct Decoder {
+    uint32_t ix[4];      // byte q of ix[i]: index of pair i of byte q (k=2: of bytes 2bb, 2bb+1)
+    uint32_t ix5[4][2];  // k = 5: 10-bit indices as 16-bit fields, bytes (0, 2) and (1, 3)
+
+    // Transpose k plane words (32 codes each) so that each pair index is one byte: bits 2j and
+    // 2j+1 of the byte are plane j of the pair's two columns (k = 2: two 4-bit pair indices; k = 3:
+    // bits 6-7 are don't-care, the table repeats over them, which saves the masks).
+    __device__ __forceinline__ Decoder(const uint32_t (&p)[kBits]) {
+        // Nibble n of a (b): planes 0, 1 of pair 0 (1) of byte n/2 for even n, else of pair 2 (3).
+        const uint32_t a = bsel<0x33333333u>(p[0], p[1] << 2);
+        const uint32_t b = bsel<0x33333333u>(p[0] >> 2, p[1]);
+        if constexpr (kBits == 2) {
+            // byte 2bb of ix[i] = pair i of rows g (low nibble, byte 2bb) and g+8 (byte 2bb+1).
+            ix[0] = bsel<0x0F0F0F0Fu>(a, a >> 4);
+            ix[1] = bsel<0x0F0F0F0Fu>(b, b >> 4);
+            ix[2] = bsel<0x0F0F0F0Fu>(a >> 4, a >> 8);
+            ix[3] = bsel<0x0F0F0F0Fu>(b >> 4, b >> 8);
+        } else {
+            if constexpr (kBits == 3) {
+                ix[0] = bsel<0x0F0F0F0Fu>(a, p[2] << 4);
+                ix[1] = bsel<0x0F0F0F0Fu>(b, p[2] << 2);
+                ix[2] = bsel<0x0F0F0F0Fu>(a >> 4, p[2]);
+                ix[3] = bsel<0x0F0F0F0Fu>(b >> 4, p[2] >> 2);
+            } else {
+                const uint32_t c = bsel<0x33333333u>(p[2], p[3] << 2);  // planes 2, 3
+                const uint32_t d = bsel<0x33333333u>(p[2] >> 2, p[3]);
+                ix[0] = bsel<0x0F0F0F0Fu>(a, c << 4);
+                ix[1] = bsel<0x0F0F0F0Fu>(b, d << 4);
+                ix[2] = bsel<0x0F0F0F0Fu>(a >> 4, c);
+                ix[3] = bsel<0x0F0F0F0Fu>(b >> 4, d);
+            }
+            if constexpr (kBits == 5) {
+                // plane 4 of pair i of byte q sits at bits 8q + 2i: move it to bits 8-9 of the
+                // 16-bit field that holds the byte (bytes 0, 2 in ix5[i][0], bytes 1, 3 in [1]).
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    ix5[i][0] = bsel<0x00FF00FFu>(ix[i], p[4] << (8 - 2 * i));
+                    ix5[i][1] = bsel<0x00FF00FFu>(ix[i] >> 8, p[4] >> (2 * i));
+                }
+            }
+        }
+    }
+
+    __device__ __forceinline__ void frags(const uint8_t* table, uint32_t lane_off, int row_shift,
+                                          int bb, uint32_t (&a)[2][4]) const {
+        const int q0 = 2 * bb, q1 = 2 * bb + 1;  // bytes of rows g, g+8
+#pragma unroll
+        for (int s = 0; s < 2; ++s) {
+            if constexpr (kBits == 2) {  // one 8-byte load = a pair in rows g and g+8
+                const uint2 p0 = lds64(table + __byte_perm(ix[2 * s], lane_off, addr_sel(q0)));
+                const uint2 p1 = lds64(table + __byte_perm(ix[2 * s + 1], lane_off, addr_sel(q0)));
+                a[s][0] = p0.x, a[s][1] = p0.y, a[s][2] = p1.x, a[s][3] = p1.y;
+            } else if constexpr (kBits <= 4) {
+                a[s][0] = lds32(table + __byte_perm(ix[2 * s], lane_off, addr_sel(q0)));
+                a[s][1] = lds32(table + __byte_perm(ix[2 * s], lane_off, addr_sel(q1)));
+                a[s][2] = lds32(table + __byte_perm(ix[2 * s + 1], lane_off, addr_sel(q0)));
+                a[s][3] = lds32(table + __byte_perm(ix[2 * s + 1], lane_off, addr_sel(q1)));
+            } else {
+                // field of byte q: ix5[i][q & 1], half q >> 1 = bb; address = index << row_shift.
+                const uint32_t mask = 0x3FFu << row_shift;
+                auto at = [&](uint32_t f) {
+                    const uint32_t v = bb ? f >> (16 - row_shift) : f << row_shift;
+                    return table + ((v & mask) | lane_off);
+                };
+                a[s][0] = lds32(at(ix5[2 * s][0]));
+                a[s][1] = lds32(at(ix5[2 * s][1]));
+                a[s][2] = lds32(at(ix5[2 * s + 1][0]));
+                a[s][3] = lds32(at(ix5[2 * s + 1][1]));
+            }
+        }
+    }
+};
+
+// One 16x128 tile into acc (rows g, g+8 x token columns 2t, 2t+1); xs = this lane's x chunk of
+// the k-tile in shared memory (4 blocks x 64 B, this lane's 16 B at +t*16 already added).
+// kScaled (kMoeDown): the block factors also carry the slot's router weight tl.w.
+template <int kBits, typename T, bool kScaled = false>
+__device__ __forceinline__ void tile_mma(const Tile<kBits>& tl, const uint8_t* table,
+                                         uint32_t lane_off, int row_shift, const uint8_t* xs,
+                                         float (&acc)[4]) {
+    // absmax/16 as fp16 bits: [row][0] = blocks (0, 2), [row][1] = blocks (1, 3).
+    const uint32_t sc[2][2] = {{(tl.am[0] << 6) & 0x3FC03FC0u, (tl.am[0] >> 2) & 0x3FC03FC0u},
+                               {(tl.am[1] << 6) & 0x3FC03FC0u, (tl.am[1] >> 2) & 0x3FC03FC0u}};
+#pragma unroll
+    for (int w = 0; w < 2; ++w) {
+        uint32_t pl[kBits];
+#pragma unroll
+        for (int j = 0; j < kBits; ++j) pl[j] = w ? tl.q[j].y : tl.q[j].x;
+        const Decoder<kBits> dec(pl);
+#pragma unroll
+        for (int bb = 0; bb < 2; ++bb) {
+            uint32_t a[2][4];
+            dec.frags(table, lane_off, row_shift, bb, a);
+            // x pairs (cols 2t + 8i) of this block, i = 0..3, staged contiguously per lane.
+            const uint4 xv = *reinterpret_cast<const uint4*>(xs + (2 * w + bb) * 64);
+            float d[4] = {0.f, 0.f, 0.f, 0.f};
+            mma_m16n8k16<std::is_same_v<T, __nv_bfloat16>>(d, a[0], xv.x, xv.y);
+            mma_m16n8k16<std::is_same_v<T, __nv_bfloat16>>(d, a[1], xv.z, xv.w);
+            float s0 = absmax_div16(sc[0][bb], w), s1 = absmax_div16(sc[1][bb], w);
+            if constexpr (kScaled) s0 *= tl.w, s1 *= tl.w;
+            acc[0] = fmaf(d[0], s0, acc[0]);
+            acc[1] = fmaf(d[1], s0, acc[1]);
+            acc[2] = fmaf(d[2], s1, acc[2]);
+            acc[3] = fmaf(d[3], s1, acc[3]);
+        }
+    }
+}
+
+// Table entry of a pair index: half2(cb[c0], cb[c1]), where bit j of code c0 (c1) is bit
+// e + 2j (e + 1 + 2j) of idx: plane j of the pair sits at bits 2j, 2j+1 (e = 4: k=2, row g+8).
+template <int kBits, typename T>
+__device__ __forceinline__ uint32_t pair_value(const float* cb_s, int idx, int e) {
+    int c0 = 0, c1 = 0;
+#pragma unroll
+    for (int j = 0; j < kBits; ++j) {
+        c0 |= ((idx >> (e + 2 * j)) & 1) << j;
+        c1 |= ((idx >> (e + 1 + 2 * j)) & 1) << j;
+    }
+    return Cvt<T>::pair(cb_s[c0], cb_s[c1]);
+}
+
+// Table of dequantized pairs (k=2: a pair of rows g and g+8), 32 copies per entry (k=5: 1 <<
+// (row_shift - 2)), from the codebook in shared memory (cb_s, already rounded by cb_value). At
+// k=3 index bits 6-7 are don't-care: the entry repeats over them. k=2..4 has 256 rows: two threads
+// share a row, each writing half of its 16-byte chunks. The chunks go in rotated order, so that
+// the 8 threads of a store phase (8 consecutive rows) hit 8 different bank groups.
+template <int kBits, typename T>
+__device__ __forceinline__ void fill_table(uint8_t* table, const float* cb_s, int row_shift) {
+    constexpr int kRows = kBits == 5 ? kTableRows5 : kTableRows;
+    constexpr int kParts = kRows < kThreads ? kThreads / kRows : 1;
+    const int row_bytes = kBits == 5 ? 1 << row_shift : 256;
+    const int chunks = (kBits == 2 || kBits == 5 ? row_bytes : 128) / 16;  // k=3,4: 128 B used
+    const int per_part = chunks / kParts;
+    for (int job = threadIdx.x; job < kRows * kParts; job += kThreads) {
+        const int idx = job % kRows, c0 = job / kRows * per_part;
+        uint4 v;
+        if constexpr (kBits == 2) {  // 8-byte entries: rows g (nibble 0), g+8 (nibble 1)
+            v.x = v.z = pair_value<kBits, T>(cb_s, idx, 0);
+            v.y = v.w = pair_value<kBits, T>(cb_s, idx, 4);
+        } else {
+            v.x = v.y = v.z = v.w = pair_value<kBits, T>(cb_s, idx, 0);
+        }
+        uint8_t* row = table + idx * row_bytes;
+        for (int c = c0; c < c0 + per_part; ++c)
+            *reinterpret_cast<uint4*>(row + ((c + idx) & (chunks - 1)) * 16) = v;
+    }
+}
+
+// x[:, K range] -> shared memory, per token row and 32-column block 64 B holding, for t = 0..3,
+// the 16 B that lane t needs: pairs (cols 2t + 8i, +1), i = 0..3. Columns >= K become 0 (the
+// padded weights are 0 too, and 0 * 0 keeps garbage out). One (token m, block bl) is a thread's
+// job; load and store are separate so that the loads of token 0 can be issued before the weight
+// stream starts (they would otherwise queue behind it in the memory system, ~1 us).
+struct XJob {
+    uint32_t w[4][4];  // w[j][t] = column pair 4j + t of the block
+};
+
+template <typename T>
+__device__ __forceinline__ XJob load_x(const Params& p, int k_begin, int m, int bl) {
+    XJob r = {};
+    const int col = (k_begin * kBlocksPerTile + bl) * kBlock;
+    if (col < p.K) {
+        const T* src = static_cast<const T*>(p.x) + m * p.sx + col;
+        if (p.x_vec) {
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const uint4 v = *reinterpret_cast<const uint4*>(src + 8 * j);
+                r.w[j][0] = v.x, r.w[j][1] = v.y, r.w[j][2] = v.z, r.w[j][3] = v.w;
+            }
+        } else {
+            const uint16_t* s16 = reinterpret_cast<const uint16_t*>(src);
+#pragma unroll
+            for (int c = 0; c < 16; ++c)
+                r.w[c >> 2][c & 3] = s16[2 * c] | static_cast<uint32_t>(s16[2 * c + 1]) << 16;
+        }
+    }
+    return r;
+}
+
+__device__ __forceinline__ void store_x(uint8_t* xs, const Params& p, int m, int bl,
+                                        const XJob& v) {
+    uint4* dst = reinterpret_cast<uint4*>(xs + m * p.xrow + bl * 64);
+#pragma unroll
+    for (int t = 0; t < 4; ++t) dst[t] = make_uint4(v.w[0][t], v.w[1][t], v.w[2][t], v.w[3][t]);
+}
+
+// kMoeDown: block bl of the CTA's K' range for token m, = act(gate) * up of slot (m, j) at
+// columns [c, c + 32) of I, computed from h (x.dtype) in fp32 and rounded once, as the reference
+// does. Columns >= I (the expert's padding to whole k-tiles) and slots not on this rank are 0.
+template <typename T>
+__device__ __forceinline__ XJob load_act(const MoeArgs& mo, const int* s_e, int k_begin, int m,
+                                         int bl) {
+    XJob r = {};
+    const int gb = k_begin * kBlocksPerTile + bl, per_expert = mo.kte * kBlocksPerTile;
+    const int j = gb / per_expert, col = (gb - j * per_expert) * kBlock;
+    const int slot = m * mo.topk + j;
+    if (col >= mo.I || s_e[slot] < 0) return r;
+    // 16-byte aligned: h rows are 2I elements, I % 32 == 0
+    const uint4* g4 = reinterpret_cast<const uint4*>(static_cast<const T*>(mo.h) +
+                                                     int64_t{slot} * 2 * mo.I + col);
+    const uint4* u4 = g4 + mo.I / 8;
+    constexpr bool kBF16 = std::is_same_v<T, __nv_bfloat16>;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {  // 8 columns = pairs 4q..4q+3 = r.w[.][.] with c = 4q + i
+        const uint4 gv = g4[q], uv = u4[q];
+        const uint32_t gw[4] = {gv.x, gv.y, gv.z, gv.w}, uw[4] = {uv.x, uv.y, uv.z, uv.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            float2 gf, uf;
+            if constexpr (kBF16) {
+                gf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&gw[i]));
+                uf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&uw[i]));
+            } else {
+                gf = __half22float2(*reinterpret_cast<const __half2*>(&gw[i]));
+                uf = __half22float2(*reinterpret_cast<const __half2*>(&uw[i]));
+            }
+            const int c = 4 * q + i;  // column pair c = cols 2c, 2c + 1 = word c % 4 of w[c / 4]
+            r.w[c >> 2][c & 3] = pack2<kBF16>(act_fn(gf.x, mo.act) * uf.x,
+                                              act_fn(gf.y, mo.act) * uf.y);
+        }
+    }
+    return r;
+}
+
+// Stores a warp's sums for one n-tile (rows g, g+8; tokens 2t, 2t+1) into rows[16][M].
+__device__ __forceinline__ void store_sums(float (&acc)[4], float* rows, int g, int t, int M) {
+    if (2 * t < M) {
+        rows[g * M + 2 * t] = acc[0];
+        rows[(g + 8) * M + 2 * t] = acc[2];
+    }
+    if (2 * t + 1 < M) {
+        rows[g * M + 2 * t + 1] = acc[1];
+        rows[(g + 8) * M + 2 * t + 1] = acc[3];
+    }
+    acc[0] = acc[1] = acc[2] = acc[3] = 0.f;
+}
+
+// MoE: local expert of slot s, or -1 (another rank's expert, or an id outside the tables).
+__device__ __forceinline__ int moe_local_expert(const MoeArgs& mo, int s) {
+    int64_t e = mo.ids64 ? mo.ids64[s] : static_cast<int64_t>(mo.ids32[s]);
+    if (mo.emap) {
+        if (e < 0 || e >= mo.emap_n) return -1;
+        e = mo.emap[e];
+    }
+    return e >= 0 && e < mo.E ? static_cast<int>(e) : -1;
+}
+
+template <int kBits, typename T, int kMode = kDense>
+__global__ void __launch_bounds__(kThreads, 1) gemv_kernel(const Params p, const MoeArgs mo) {
+    constexpr bool kMoe = kMode != kDense, kDown = kMode == kMoeDown;
+    extern __shared__ __align__(16) uint8_t smem[];  // [table][x rows][sums][warp partials]
+    __shared__ int is_last;
+    // slot_tile[2w + s]: offset in acc_s of the n-tile whose partial sums warp w's slot s holds
+    __shared__ __align__(16) int slot_tile[kWarps * 2];
+    // MoE: local expert (-1: none) and router weight of each slot
+    __shared__ int s_e[kMoe ? kMoeMaxSlots : 1];
+    __shared__ float s_w[kMoe ? kMoeMaxSlots : 1];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    // Integer divisions are ~100-cycle dependent chains (no hardware divider): none where a
+    // quotient is known, and none in the epilogue.
+    const int group = p.splits == 1 ? blockIdx.x : blockIdx.x / p.splits;
+    const int split = blockIdx.x - group * p.splits;
+    // 32-bit: the host checks n_tiles * groups < 2^32 (a 64-bit division is a ~100-instruction
+    // call, and this runs on the latency chain before the first weight is used).
+    const unsigned n_tiles = p.n_tiles, gr = p.groups;
+    const int n_begin = static_cast<int>(group * n_tiles / gr);
+    const int n_cta = static_cast<int>((group + 1) * n_tiles / gr) - n_begin;
+    const int k_begin = split * p.k_len, k_len = min(p.k_len, p.k_tiles - k_begin);
+    const int units = n_cta * k_len;  // (n-tile, k-tile) pairs, n-major: consecutive in memory
+    const int u0 = warp * units / kWarps, u1 = (warp + 1) * units / kWarps;  // host: no overflow
+
+    // What the CTA reads before its first MMA is requested at once, in the order it is needed:
+    // the codebook, x (unless PDL: x is the previous kernel's output), each warp's first kEarly
+    // tiles. Issued after the weight loads, the codebook and x reads would queue behind the
+    // weight stream in the memory system (~2-5k cycles measured on H100 at 8B shapes).
+    __shared__ float cb_s[1 << kBits];
+    float cbv = 0.f;
+    if (threadIdx.x < (1 << kBits)) cbv = cb_value(p.cb, threadIdx.x);
+    int se = -1;  // MoE: the slots' experts, needed for the first weight address
+    float sw = 0.f;
+    if constexpr (kMoe) {
+        if (threadIdx.x < mo.S) {
+            se = moe_local_expert(mo, threadIdx.x);
+            sw = mo.topk_w[threadIdx.x];
+        }
+    }
+    const int nblk = k_len * kBlocksPerTile;
+    const bool has_x = threadIdx.x < nblk;  // token 0, block threadIdx.x
+    XJob xj;
+    if (!kDown && !p.pdl && has_x) xj = load_x<T>(p, k_begin, 0, threadIdx.x);
+
+    constexpr int D = kPrefetch<kBits>;
+    std::conditional_t<kMoe, MoeStream<kBits, kDown>, TileStream<kBits>> ts;
+    ts.q = reinterpret_cast<const uint2*>(p.qw);
+    ts.a = reinterpret_cast<const uint32_t*>(p.am);
+    if constexpr (kMoe) {  // the warp's first tile: virtual n-tile v, k-tile kk
+        const int v = n_begin + u0 / k_len, kk = k_begin + u0 % k_len, grp = v / mo.nte;
+        ts.s_e = s_e, ts.s_w = s_w;
+        ts.q_expert = mo.q_expert, ts.a_expert = mo.a_expert, ts.lane_q = lane, ts.lane_a = g;
+        ts.nte = mo.nte, ts.kte = mo.kte, ts.topk = mo.topk, ts.xrow = p.xrow;
+        ts.nt = v - grp * mo.nte;
+        if constexpr (kDown) {  // grp = token
+            ts.slot0 = grp * mo.topk, ts.jj = 0, ts.xrow_off = grp * p.xrow;
+            ts.j = kk / mo.kte, ts.lk = kk - ts.j * mo.kte;
+            ts.j0 = k_begin / mo.kte, ts.lk0 = k_begin - ts.j0 * mo.kte;
+        } else {  // grp = slot
+            const int tok = grp / mo.topk;
+            ts.slot0 = grp, ts.jj = grp - tok * mo.topk, ts.xrow_off = tok * p.xrow;
+            ts.j = ts.j0 = 0, ts.lk = kk, ts.lk0 = k_begin;
+        }
+    } else {
+        const int64_t first = int64_t{n_begin + u0 / k_len} * p.k_tiles + k_begin + u0 % k_len;
+        ts.qo = static_cast<uint32_t>(first * (kBits * 32) + lane);
+        ts.ao = static_cast<uint32_t>(first * 16 + g);
+        ts.q_jump = static_cast<uint32_t>(p.k_tiles - k_len) * (kBits * 32);
+        ts.a_jump = static_cast<uint32_t>(p.k_tiles - k_len) * 16;
+    }
+    ts.k_len = k_len;
+    ts.left = k_len - u0 % k_len;
+    Tile<kBits> buf[D];
+    auto load_tile = [&](int i) {  // slot i of the warp's first D tiles, in stream order
+        if (u0 + i < u1) {
+            buf[i] = ts.load();
+            ts.next();
+        }
+    };
+    if constexpr (!kMoe) {
+#pragma unroll
+        for (int i = 0; i < kEarly; ++i) load_tile(i);
+    }
+
+    if (threadIdx.x < (1 << kBits)) cb_s[threadIdx.x] = cbv;
+    if (kMoe && threadIdx.x < mo.S) s_e[threadIdx.x] = se, s_w[threadIdx.x] = sw;
+    __syncthreads();
+    if constexpr (kMoe) {  // MoE: the first addresses needed the slots' experts
+#pragma unroll
+        for (int i = 0; i < kEarly; ++i) load_tile(i);
+    }
+    fill_table<kBits, T>(smem, cb_s, p.row_shift);
+    // Up to here only constant data (weights, codebook) was read, unless x was: with PDL this
+    // prologue overlaps the previous kernel's tail; x is that kernel's output.
+    pdl_wait();
+    uint8_t* xs_s = smem + p.table_bytes;
+    if constexpr (kDown) {  // x' = act(gate) * up of the slots, from h (the previous kernel's)
+        for (int m = 0; m < p.Mx; ++m)
+            for (int bl = threadIdx.x; bl < nblk; bl += kThreads)
+                store_x(xs_s, p, m, bl, load_act<T>(mo, s_e, k_begin, m, bl));
+    } else {
+        if (p.pdl && has_x) xj = load_x<T>(p, k_begin, 0, threadIdx.x);
+        if (has_x) store_x(xs_s, p, 0, threadIdx.x, xj);
+        for (int m = 0; m < (kMoe ? p.Mx : p.M); ++m)
+            for (int bl = threadIdx.x + (m == 0 ? kThreads : 0); bl < nblk; bl += kThreads)
+                store_x(xs_s, p, m, bl, load_x<T>(p, k_begin, m, bl));
+    }
+    float* acc_s = reinterpret_cast<float*>(smem + p.acc_off);
+    float* part_s = acc_s + n_cta * kTileN * p.M;
+    __syncthreads();
+#pragma unroll
+    for (int i = kEarly; i < D; ++i) load_tile(i);
+
+    // x of this lane's token column (lanes past M repeat token M-1) and 16-byte chunk t.
+    const uint8_t* xs0 = smem + p.table_bytes + min(g, p.M - 1) * p.xrow + t * 16;
+    const uint8_t* xs = xs0 + (u0 % k_len) * (kTileK * 2);
+    const uint8_t* xs_lane = smem + p.table_bytes + t * 16;  // MoE: + the tile's offset
+    const uint32_t lane_off = kBits == 2   ? lane * 8
+                              : kBits == 5 ? (lane & ((1 << (p.row_shift - 2)) - 1)) * 4
+                                           : lane * 4;
+    // A warp adds up one n-tile segment of its run at a time. A segment spanning the n-tile's
+    // whole K range is this warp's alone and goes to acc_s; only the first and the last segment
+    // of a run can be partial, they go to the warp's part_s slots 0 and 1 (slot_tile says for
+    // which n-tile, as the offset of its sums in acc_s), and the epilogue adds the slots of an
+    // n-tile in warp order: no atomics, deterministic.
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    float* acc_tile = acc_s + (u0 / k_len) * kTileN * p.M;  // this n-tile's sums
+    float* part = part_s + warp * 2 * kTileN * p.M;
+    int left = k_len - u0 % k_len;  // k-tiles left in this n-tile
+    bool whole = left == k_len;     // the segment started at k-tile 0
+    for (int u = u0; u < u1; u += D) {
+#pragma unroll
+        for (int i = 0; i < D; ++i) {
+            if (u + i < u1) {
+                if constexpr (kMoe) {
+                    if (buf[i].xo >= 0)
+                        tile_mma<kBits, T, kDown>(buf[i], smem, lane_off, p.row_shift,
+                                                  xs_lane + buf[i].xo, acc);
+                } else {
+                    tile_mma<kBits, T>(buf[i], smem, lane_off, p.row_shift, xs, acc);
+                }
+                if (u + i + D < u1) {  // refill the slot just consumed
+                    buf[i] = ts.load();
+                    ts.next();
+                }
+                const bool tile_end = --left == 0;
+                if (tile_end || u + i + 1 == u1) {
+                    store_sums(acc, tile_end && whole ? acc_tile : part, g, t, p.M);
+                    part = part_s + (warp * 2 + 1) * kTileN * p.M;
+                    whole = true;
+                }
+                if constexpr (!kMoe) xs += kTileK * 2;
+                if (tile_end) {
+                    left = k_len, acc_tile += kTileN * p.M;
+                    if constexpr (!kMoe) xs = xs0;
+                }
+            }
+        }
+    }
+    pdl_trigger();  // the weights are streamed: the next kernel may start its prologue
+    if (lane == 0) {  // the loop's choices, for the epilogue: which n-tile each slot holds
+        const int f = u0 / k_len, l = (u1 - 1) / k_len;  // first and last n-tile of the run
+        const bool first_whole = u0 == f * k_len && u1 >= (f + 1) * k_len;
+        const bool last_part = l != f && u1 != (l + 1) * k_len;
+        slot_tile[warp * 2] = u0 < u1 && !first_whole ? f * kTileN * p.M : -1;
+        slot_tile[warp * 2 + 1] = u0 < u1 && last_part ? l * kTileN * p.M : -1;
+    }
+    __syncthreads();
+
+    // Output rows [16 n_begin, 16 (n_begin + n_cta)) of every token; padding rows >= n are skipped.
+    const int rows = min(n_cta * kTileN, p.n - n_begin * kTileN), row0 = n_begin * kTileN;
+    int st[kWarps * 2];
+#pragma unroll
+    for (int j = 0; j < kWarps * 2; j += 4) {  // 8 vector loads, not 32 dependent ones
+        const int4 v = *reinterpret_cast<const int4*>(slot_tile + j);
+        st[j] = v.x, st[j + 1] = v.y, st[j + 2] = v.z, st[j + 3] = v.w;
+    }
+    T* y = static_cast<T*>(p.y);
+    for (int m = 0; m < p.M; ++m) {
+        for (int r = threadIdx.x; r < rows; r += kThreads) {
+            // No division here: each is a ~100-cycle dependent chain on the critical path.
+            const int tile_off = r / kTileN * kTileN * p.M, rr = r % kTileN;
+            float v = 0.f;
+            bool shared = false;
+#pragma unroll
+            for (int j = 0; j < kWarps * 2; ++j) {
+                if (st[j] == tile_off) {
+                    v += part_s[(j * kTileN + rr) * p.M + m];
+                    shared = true;
+                }
+            }
+            if (!shared) v = acc_s[r * p.M + m];  // one warp summed the whole n-tile
+            v *= 16.f;  // the absmax were applied as absmax/16
+            if (kMode == kMoeGateUp && mo.weight_on_input)  // topk == 1: row / 2I = slot
+                v *= s_w[(row0 + r) / (mo.nte * kTileN)];
+            if (p.splits == 1)
+                y[int64_t{m} * p.n + row0 + r] = Cvt<T>::out(v);
+            else
+                p.ws[(int64_t{split} * p.M + m) * p.n + row0 + r] = v;
+        }
+    }
+    if (p.splits == 1) return;
+
+    // Split-K: the last CTA of the row group to finish adds the splits in order and writes y.
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) is_last = atomicAdd(p.arrived + group, 1u) == p.splits - 1u;
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    for (int m = 0; m < p.M; ++m) {
+        for (int r = threadIdx.x; r < rows; r += kThreads) {
+            float v = 0.f;
+            for (int sp = 0; sp < p.splits; ++sp)  // L2 loads: other CTAs' stores are not in our L1
+                v += __ldcg(p.ws + (int64_t{sp} * p.M + m) * p.n + row0 + r);
+            y[int64_t{m} * p.n + row0 + r] = Cvt<T>::out(v);
+        }
+    }
+}
+
+struct Plan {
+    int splits = 0, k_len = 0, groups = 0, table_bytes = 0, row_shift = 0;
+    int64_t xrow = 0, smem = 0;
+};
+
+// Picks the K split and the table size: minimise the tiles of the busiest warp (+ a fixed price
+// for split-K: workspace traffic, the counter memset and the last-CTA pass), within shared memory.
+// M = token columns of the sums (MoE: 1), Mx = token rows of x staged (dense: M; MoE: T).
+Plan make_plan(int64_t M, int64_t Mx, int64_t n_tiles, int64_t k_tiles, int64_t bits,
+               int64_t sms, int64_t smem_max) {
+    constexpr double kSplitPrice = 3.0;  // in tiles per warp, ~1.5-2 us
+    Plan best;
+    double best_cost = 0.0;
+    const int shifts5[2] = {7, 6};  // k = 5: 32 copies (128 KB), else 16 copies (64 KB)
+    for (int v = 0; v < (bits == 5 ? 2 : 1); ++v) {
+        const int row_shift = bits == 5 ? shifts5[v] : 8;
+        const int64_t table = bits == 5 ? int64_t{kTableRows5} << row_shift : kTableBytes;
+        const double slow = bits == 5 && row_shift == 6 ? 1.3 : 1.0;  // 2-way bank conflicts
+        for (int64_t s = 1; s <= k_tiles; ++s) {
+            const int64_t k_len = ceil_div(k_tiles, s);
+            if (ceil_div(k_tiles, k_len) != s) continue;  // same split as a smaller s
+            const int64_t xrow = k_len * kTileK * 2 + kXPad;
+            const int64_t per_tile = kTileN * M * 4;  // sum bytes per n-tile
+            const int64_t room = smem_max - table - Mx * xrow - 2 * kWarps * per_tile;
+            if (room < per_tile) continue;
+            int64_t groups = std::min(n_tiles, std::max<int64_t>(1, sms / s));
+            groups = std::max(groups, ceil_div(n_tiles, room / per_tile));
+            const int64_t n_cta = ceil_div(n_tiles, groups);
+            const int64_t waves = ceil_div(groups * s, sms);
+            const double cost = double(waves * ceil_div(n_cta * k_len, kWarps)) * slow +
+                                (s > 1 ? kSplitPrice : 0.0);
+            if (best.splits == 0 || cost < best_cost) {
+                best_cost = cost;
+                best.splits = static_cast<int>(s);
+                best.k_len = static_cast<int>(k_len);
+                best.groups = static_cast<int>(groups);
+                best.table_bytes = static_cast<int>(table);
+                best.row_shift = row_shift;
+                best.xrow = xrow;
+                best.smem = table + Mx * xrow + (n_cta + 2 * kWarps) * per_tile;
+            }
+        }
+    }
+    return best;
+}
+
+struct GemvDevice {
+    int device = 0, sms = 0;
+    int64_t smem_max = 0;  // dynamic shared memory per CTA
+};
+
+inline GemvDevice gemv_device(const at::Tensor& x, const char* op) {
+    GemvDevice d;
+    d.device = x.get_device();
+    TORCH_CHECK(d.device < 64, "kbit::", op, ": device index ", d.device, " >= 64");
+    int smem_optin = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, d.device));
+    C10_CUDA_CHECK(
+        cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, d.device));
+    d.smem_max = smem_optin - 2048;  // leaves room for the static shared memory (<= 1.8 KB)
+    return d;
+}
+
+// The plan's fields of p (p.M, p.Mx, p.n set), and for split-K the fp32 partial sums and the
+// zeroed arrival counters, allocated in ws / arrived (alive until the launch is enqueued).
+inline void apply_plan(Params& p, const Plan& plan, const at::Tensor& x, at::Tensor& ws,
+                       at::Tensor& arrived) {
+    p.k_len = plan.k_len;
+    p.splits = plan.splits;
+    p.groups = plan.groups;
+    p.xrow = static_cast<int>(plan.xrow);
+    p.table_bytes = plan.table_bytes;
+    p.acc_off = static_cast<int>(plan.table_bytes + p.Mx * plan.xrow);
+    p.row_shift = plan.row_shift;
+    if (plan.splits > 1) {
+        ws = at::empty({int64_t{plan.splits} * p.M * p.n}, x.options().dtype(at::kFloat));
+        arrived = at::zeros({plan.groups}, x.options().dtype(at::kInt));
+        p.ws = ws.data_ptr<float>();
+        p.arrived = reinterpret_cast<unsigned*>(arrived.data_ptr<int32_t>());
+    }
+}
+
+// pdl: launch with programmatic dependent launch where the kernel supports it (sm_90 code).
+template <int kBits, typename T, int kMode>
+void launch(const Params& p, const MoeArgs& mo, const Plan& plan, const GemvDevice& d, bool pdl,
+            cudaStream_t stream) {
+    auto kernel = gemv_kernel<kBits, T, kMode>;
+    static std::once_flag configured[64];
+    std::call_once(configured[d.device], [&] {
+        C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(d.smem_max)));
+    });
+    static const bool pdl_ok = pdl_supported(kernel);
+    Params q = p;
+    q.pdl = pdl && pdl_ok;
+    launch_kernel(kernel, dim3(plan.groups * plan.splits), kThreads, static_cast<int>(plan.smem),
+                  stream, 1, q.pdl, q, mo);
+}
+
+template <typename T, int kMode>
+void launch_bits(int64_t bits, const Params& p, const MoeArgs& mo, const Plan& plan,
+                 const GemvDevice& d, bool pdl, cudaStream_t stream) {
+    switch (bits) {
+        case 2: return launch<2, T, kMode>(p, mo, plan, d, pdl, stream);
+        case 3: return launch<3, T, kMode>(p, mo, plan, d, pdl, stream);
+        case 4: return launch<4, T, kMode>(p, mo, plan, d, pdl, stream);
+        default: return launch<5, T, kMode>(p, mo, plan, d, pdl, stream);
+    }
+}
+
+}  // namespace
+}  // namespace kbit
