@@ -7,8 +7,8 @@ plain-torch bf16 baseline (per-expert matmuls on the gathered tokens) always.
 kbit series (--kbit-paths): ``kbit`` = ``moe_dispatch.kbit_moe``, exactly what
 ``KbitMoEMethod.apply`` runs (the grouped kernel, or from KBIT_MOE_DEQUANT_MIN_M /
 KBIT_MOE_DEQUANT_MIN_TPE on, the experts dequantized + vLLM's fused_experts; [D] marks those
-points); ``kbit_kernel`` = ``torch.ops.kbit.moe`` alone (its GEMV decode path for T * topk <=
-KBIT_MOE_GEMV_MAX_SLOTS, default 16, else the grouped MMA kernels); ``kbit_gemv`` /
+points); ``kbit_kernel`` = ``torch.ops.kbit.moe`` alone (its GEMV decode path for few slots,
+csrc/moe_gemv.cu's moe_gemv_takes, else the grouped MMA kernels); ``kbit_gemv`` /
 ``kbit_grouped`` = those two paths forced (gemv only where it applies: <= 64 slots, T <= 8);
 ``kbit_dequant`` = the dequant path forced (for M >= --dequant-series-min-m). Forced series side
 by side give the crossover M to set the thresholds to (pass them with --env to time ``kbit``).
@@ -125,8 +125,8 @@ def dequant_experts(w, bits, h, i, dtype):
 
 KBIT_PATHS = {"auto": "kbit", "kernel": "kbit_kernel", "dequant": "kbit_dequant",
               "gemv": "kbit_gemv", "grouped": "kbit_grouped"}  # fmt: skip
-# kbit::moe's two kernel paths forced (csrc/moe_gemv.cu: the GEMV path takes T * topk <=
-# KBIT_MOE_GEMV_MAX_SLOTS, default 16, at most 64 slots and 8 tokens).
+# kbit::moe's two kernel paths forced: KBIT_MOE_GEMV_MAX_SLOTS replaces csrc/moe_gemv.cu's
+# default rule by T * topk <= its value (the GEMV path takes at most 64 slots and 8 tokens).
 PATH_ENV = {"gemv": {"KBIT_MOE_GEMV_MAX_SLOTS": "64"}, "grouped": {"KBIT_MOE_GEMV_MAX_SLOTS": "0"}}
 GEMV_MAX_SLOTS, GEMV_MAX_T = 64, 8
 
@@ -651,8 +651,8 @@ def markdown(points, meta, notes, checks, shapes) -> str:
               "when vLLM is absent); `x Marlin` = fused_marlin_moe W4A16 time / this time. "
               "`kbit` = moe_dispatch.kbit_moe (what KbitMoEMethod.apply runs; [D]: it took the "
               "dequant + fused_experts path at that M), `kbit_kernel` = kbit::moe alone (its "
-              "GEMV path for T * topk <= KBIT_MOE_GEMV_MAX_SLOTS, default 16, else the grouped "
-              "kernels), `kbit_gemv` / `kbit_grouped` = those two paths forced, "
+              "GEMV decode path for <= 16 slots when T = 1 or experts >= 4 x slots, else the "
+              "grouped kernels), `kbit_gemv` / `kbit_grouped` = those two paths forced, "
               "`kbit_dequant` = the dequant path forced. Dispatch settings: "
               f"`{meta.get('kbit_dispatch')}`.")
     lines += ["", legend, ""]

@@ -870,7 +870,7 @@ at::Tensor moe(const at::Tensor& x_in, const at::Tensor& w13_qweight, const at::
     c.bf16 = x_in.scalar_type() == at::kBFloat16;
     c.s13 = s13, c.s2 = s2;
     // Decode (few slots): two GEMV launches over the slots' experts (moe_gemv.cu).
-    if (moe_gemv_takes(T, topk)) {
+    if (moe_gemv_takes(T, topk, c.emap.defined() ? c.emap.numel() : E)) {
         moe_gemv(c.x, y, c.ids, c.tw, c.emap, w13_qweight, w13_absmax, w2_qweight, w2_absmax,
                  codebook, bits, I, act, apply_router_weight_on_input);
         return y;

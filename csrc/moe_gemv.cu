@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// kbit::moe's decode path (few slots, T * topk <= KBIT_MOE_GEMV_MAX_SLOTS): the MoE layer as two
+// kbit::moe's decode path (few slots, see moe_gemv_takes): the MoE layer as two
 // launches of the GEMV kernel (gemv.cuh, modes kMoeGateUp / kMoeDown) instead of the grouped
 // MMA kernels of moe.cu (routing, gate_up, down, combine).
 //
@@ -17,10 +17,19 @@
 
 namespace kbit {
 
-bool moe_gemv_takes(int64_t T, int64_t topk) {
-    // Default: measured crossover on an H100 (benchmarks/results/bench_moe_h100_s10.md).
-    const int64_t max_slots = env_int("KBIT_MOE_GEMV_MAX_SLOTS", 16);
-    return T * topk <= std::min<int64_t>(max_slots, kMoeMaxSlots) && T <= kMaxM;
+bool moe_gemv_takes(int64_t T, int64_t topk, int64_t global_experts) {
+    const int64_t S = T * topk;
+    if (S > kMoeMaxSlots || T > kMaxM) return false;
+    // KBIT_MOE_GEMV_MAX_SLOTS (tests, benchmarks) replaces the default rule by S <= its value.
+    if (const char* v = std::getenv("KBIT_MOE_GEMV_MAX_SLOTS"); v != nullptr && *v != '\0')
+        return S <= std::atoi(v);
+    // Default, from the H100 crossover (benchmarks/results/bench_moe_h100_s10.md): each slot is
+    // its own GEMV, so two tokens routed to one expert read it twice, where the grouped kernel
+    // reads it once for both. With few experts per slot that happens often and the grouped
+    // kernel wins from T = 2 on (Mixtral, 8 experts top-2: 187 vs 157 us at T = 2, k = 4); with
+    // many (Qwen3-30B-A3B, 128 top-8) the GEMV wins up to 16 slots at every k and ties or loses
+    // at 32 (k = 2: 51 vs 41 us).
+    return S <= 16 && (T == 1 || global_experts >= 4 * S);
 }
 
 void moe_gemv(const at::Tensor& x, at::Tensor& y, const at::Tensor& ids, const at::Tensor& tw,

@@ -289,7 +289,8 @@ def test_split_reductions_agree(monkeypatch, t: int) -> None:
 
 
 # ------------------------------------------------------------------ GEMV decode path
-# csrc/moe_gemv.cu: taken when T * topk <= KBIT_MOE_GEMV_MAX_SLOTS (cap 64) and T <= 8.
+# csrc/moe_gemv.cu: by default for <= 16 slots when T == 1 or experts >= 4 x slots; with
+# KBIT_MOE_GEMV_MAX_SLOTS set, when T * topk <= its value (at most 64 slots and 8 tokens).
 
 
 @pytest.fixture
@@ -352,6 +353,21 @@ def test_gemv_equals_grouped_within_tolerance_and_repeats(monkeypatch) -> None:
         monkeypatch.setenv("KBIT_MOE_GEMV_MAX_SLOTS", "0")
         _check(_moe(x, ex, tw, ids, None, bits), x, ex[5], ex[6], tw, ids, None, "silu", False)
     _experts.cache_clear()
+
+
+def test_gemv_default_rule(monkeypatch) -> None:
+    # without KBIT_MOE_GEMV_MAX_SLOTS: the GEMV for <= 16 slots when T == 1 or experts >=
+    # 4 x slots, else the grouped kernels (deterministic mode: both paths repeat bit for bit)
+    monkeypatch.setenv("KBIT_MOE_DETERMINISTIC", "1")
+    for e, topk, t, want in [(128, 8, 1, "gemv"), (128, 8, 2, "gemv"), (128, 8, 3, "grouped"),
+                             (8, 2, 1, "gemv"), (8, 2, 2, "grouped"), (16, 1, 4, "gemv")]:
+        ex = _experts(e, 128, 64, 4)
+        tw, ids = _routing(t, e, topk, t)
+        x = _x(t, 128, torch.bfloat16)
+        monkeypatch.delenv("KBIT_MOE_GEMV_MAX_SLOTS", raising=False)
+        y = _moe(x, ex, tw, ids, None, 4)
+        monkeypatch.setenv("KBIT_MOE_GEMV_MAX_SLOTS", "64" if want == "gemv" else "0")
+        assert torch.equal(_moe(x, ex, tw, ids, None, 4), y), (e, topk, t, want)
 
 
 @pytest.mark.parametrize("t,no_pdl", [(1, False), (1, True), (4, False)])
