@@ -26,9 +26,9 @@ bool moe_gemv_takes(int64_t T, int64_t topk, int64_t global_experts) {
     // Default, from the H100 crossover (benchmarks/results/bench_moe_h100_s10.md): each slot is
     // its own GEMV, so two tokens routed to one expert read it twice, where the grouped kernel
     // reads it once for both. With few experts per slot that happens often and the grouped
-    // kernel wins from T = 2 on (Mixtral, 8 experts top-2: 187 vs 157 us at T = 2, k = 4); with
-    // many (Qwen3-30B-A3B, 128 top-8) the GEMV wins up to 16 slots at every k and ties or loses
-    // at 32 (k = 2: 51 vs 41 us).
+    // kernel wins from T = 2 on (Mixtral, 8 experts top-2: 184 vs 153 us at T = 2, k = 4); with
+    // many (Qwen3-30B-A3B, 128 top-8) the GEMV wins up to 16 slots at every k (T = 1, k = 4:
+    // 19.8 vs 25.0 us) and loses at 32 for k = 2, 3 (k = 2: 51.8 vs 41.5 us).
     return S <= 16 && (T == 1 || global_experts >= 4 * S);
 }
 
