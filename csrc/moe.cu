@@ -4,6 +4,7 @@
 //
 //   out[t] = sum_j w[t, j] * down_e(act(gate_e(x_t)) * up_e(x_t)),  e = local expert of slot (t, j)
 //
+// Decode calls with few slots (moe_gemv_takes) go to moe_gemv.cu instead: two GEMV launches.
 // Launches (one per stage, all on the current stream, no host sync, CUDA-graph safe):
 //  1. route (only when T * topk > 256): one CTA sorts the slots s = t * topk + j by local expert
 //     (counting sort, shared-memory atomics) and lists the work tiles (expert, first sorted slot,

@@ -3,9 +3,10 @@
 runs them (benchmarks/bench_moe.py times this same function). Same arguments and contract as
 ``torch.ops.kbit.moe`` (reference_moe.py). Two paths, chosen from shapes only:
 
-- few tokens per expert: ``torch.ops.kbit.moe`` (csrc/moe.cu), the grouped kernel that
-  dequantizes the k-bit weights in registers. Decode and small prefills are bound by weight
-  bandwidth there, so reading k + 0.25 bits per weight instead of 16 is the win.
+- few tokens per expert: ``torch.ops.kbit.moe``, which dequantizes the k-bit weights in
+  registers: for decode with few slots two GEMV launches over the routed experts
+  (csrc/moe_gemv.cu), else the grouped MMA kernels (csrc/moe.cu). Decode and small prefills are
+  bound by weight bandwidth there, so reading k + 0.25 bits per weight instead of 16 is the win.
 - many tokens per expert (``use_dequant``): ``moe_dequant`` dequantizes the local experts to
   x.dtype with ``kbit::dequantize_tiled`` (in chunks of at most ``DEQUANT_MAX_BYTES``) and runs
   vLLM's bf16/fp16 Triton ``fused_experts`` on them.
