@@ -15,7 +15,6 @@ import argparse
 import gc
 import json
 import math
-import os
 import sys
 import time
 import traceback
@@ -41,6 +40,7 @@ from timing import (
     run_metadata,
     time_calls,
     time_interleaved,
+    with_env,
 )
 
 KBIT_PATHS = ("gemv", "mma", "dequant", "linear")  # "dequant" = dequantize_tiled + matmul
@@ -562,20 +562,7 @@ def kbit_fn(path: str, x: torch.Tensor, qt: torch.Tensor, at: torch.Tensor, cb: 
         env = {"KBIT_MMA_WGMMA": WG_FLAGS["mma_wg2" if config is not None else path]}
         if config is not None:
             env["KBIT_WGMMA_CONFIG"] = str(config)
-
-        def mma() -> torch.Tensor:
-            saved = {k: os.environ.get(k) for k in env}
-            os.environ.update(env)
-            try:
-                return torch.ops.kbit.mma(x, qt, at, cb, bits, n)
-            finally:
-                for k, v in saved.items():
-                    if v is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = v
-
-        return mma
+        return with_env(env, lambda: torch.ops.kbit.mma(x, qt, at, cb, bits, n))
     op = getattr(torch.ops.kbit, path)
     return lambda: op(x, qt, at, cb, bits, n)
 

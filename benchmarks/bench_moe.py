@@ -48,7 +48,7 @@ if str(HERE.parent) not in sys.path:
 
 import torch
 import torch.nn.functional as F
-from timing import l2_cache_bytes, run_metadata, time_calls
+from timing import l2_cache_bytes, run_metadata, time_calls, with_env
 
 # name: (label, E, topk, H, I)
 SHAPES = {
@@ -131,20 +131,6 @@ PATH_ENV = {"gemv": {"KBIT_MOE_GEMV_MAX_SLOTS": "64"}, "grouped": {"KBIT_MOE_GEM
 GEMV_MAX_SLOTS, GEMV_MAX_T = 64, 8
 
 
-@contextlib.contextmanager
-def _env(values: dict[str, str]):
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def kbit_fn(x, w, tw, ids, bits, i, path="auto", **kw):
     """One kbit MoE call: path "auto" = moe_dispatch.kbit_moe (what KbitMoEMethod.apply runs),
     "kernel" = torch.ops.kbit.moe, "gemv" / "grouped" = torch.ops.kbit.moe with its GEMV /
@@ -155,13 +141,8 @@ def kbit_fn(x, w, tw, ids, bits, i, path="auto", **kw):
     fn = {"auto": moe_dispatch.kbit_moe, "kernel": torch.ops.kbit.moe, "gemv": torch.ops.kbit.moe,
           "grouped": torch.ops.kbit.moe, "dequant": moe_dispatch.moe_dequant}[path]  # fmt: skip
     q13, a13, q2, a2, cb = w
-    env = PATH_ENV.get(path, {})
-
-    def call():
-        with _env(env):
-            return fn(x, q13, a13, q2, a2, cb, tw, ids, None, bits, i, "silu", False, **kw)
-
-    return call
+    return with_env(PATH_ENV.get(path, {}),
+                    lambda: fn(x, q13, a13, q2, a2, cb, tw, ids, None, bits, i, "silu", False, **kw))
 
 
 def gemv_ok(m: int, topk: int) -> bool:

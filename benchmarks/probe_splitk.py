@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import copies_needed, l2_cache_bytes, run_metadata, time_interleaved
+from timing import copies_needed, l2_cache_bytes, run_metadata, time_interleaved, with_env
 
 SHAPES = {"8b.qkv": (6144, 4096), "8b.o": (4096, 4096), "8b.gate_up": (28672, 4096),
           "8b.down": (4096, 14336), "70b.qkv": (10240, 8192), "70b.o": (8192, 8192),
@@ -40,24 +38,6 @@ for _s in (1, 2, 4, 8):
     VARIANTS[f"s{_s}"] = {"KBIT_MMA_SPLITS": str(_s), "KBIT_MMA_FORCE_CLUSTER": "1"}
     if _s > 1:
         VARIANTS[f"s{_s}_ws"] = {"KBIT_MMA_SPLITS": str(_s), "KBIT_MMA_NO_CLUSTER": "1"}
-
-
-def with_env(env: dict[str, str], fn: Callable[[], object]) -> Callable[[], object]:
-    """fn with env set around the call (the op reads it per call, also under graph capture)."""
-
-    def call() -> object:
-        old = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
-            return fn()
-        finally:
-            for k, v in old.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-
-    return call
 
 
 def main(argv: list[str] | None = None) -> None:

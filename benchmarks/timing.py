@@ -40,6 +40,26 @@ class Timing:
     samples_us: list[float] = field(default_factory=list)  # per replay, per call
 
 
+def with_env(env: dict[str, str], fn: Callable[[], object]) -> Callable[[], object]:
+    """fn with the environment variables `env` set around each call, then restored. For ops that
+    read a KBIT_* setting per call: under CUDA-graph capture the captured path is the one the
+    setting chose."""
+
+    def call() -> object:
+        old = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            return fn()
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+    return call
+
+
 def l2_cache_bytes(device: int = 0) -> int:
     """The GPU's L2 size in bytes (0 without CUDA)."""
     if not torch.cuda.is_available():

@@ -563,3 +563,22 @@ def test_int4_kernels_cuda(meth: str) -> None:
             y = i4.machete_fn(x, i4.machete_weights(packed, torch.float16), s)()
         ref = x.float() @ w_ref.float().t()
         assert float((y.float() - ref).norm() / ref.norm()) < 1e-2
+
+
+def test_with_env_sets_and_restores(monkeypatch) -> None:
+    monkeypatch.setenv("KBIT_TEST_SET", "old")
+    monkeypatch.delenv("KBIT_TEST_UNSET", raising=False)
+    seen = []
+
+    def fn():
+        seen.append((os.environ.get("KBIT_TEST_SET"), os.environ.get("KBIT_TEST_UNSET")))
+        if len(seen) == 2:
+            raise RuntimeError("boom")
+        return 7
+
+    call = timing.with_env({"KBIT_TEST_SET": "new", "KBIT_TEST_UNSET": "1"}, fn)
+    assert call() == 7
+    with pytest.raises(RuntimeError):
+        call()  # restored on an exception as well
+    assert seen == [("new", "1"), ("new", "1")]
+    assert os.environ["KBIT_TEST_SET"] == "old" and "KBIT_TEST_UNSET" not in os.environ

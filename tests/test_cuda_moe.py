@@ -390,21 +390,6 @@ def test_gemv_cuda_graph_replay(monkeypatch, gemv, t: int, no_pdl: bool) -> None
         _check(y_static, x, ex[5], ex[6], tw, ids, None, "silu", False)
 
 
-def test_gemv_strided_x(gemv) -> None:
-    e, h, i, bits, t = 8, 128, 64, 4, 3
-    ex = _experts(e, h, i, bits)
-    tw, ids = _routing(t, e, 2, 3)
-    x = _x(t, h, torch.float16)
-    y = _moe(x, ex, tw, ids, None, bits)
-    _check(y, x, ex[5], ex[6], tw, ids, None, "silu", False)
-    wide = torch.zeros(t, h + 64, dtype=x.dtype, device="cuda")
-    wide[:, :h] = x
-    shifted = torch.zeros(t, h + 1, dtype=x.dtype, device="cuda")
-    shifted[:, 1:] = x
-    for view in [wide[:, :h], shifted[:, 1:]]:
-        assert torch.equal(_moe(view, ex, tw, ids, None, bits), y)
-
-
 # Real layer shapes (quantized on the GPU): Qwen3-30B-A3B (TP1 I=768, TP2 I=384), Mixtral-8x7B
 # with 4 of its 8 experts (H=4096, I=14336), a 512-expert layer (H=2048, I=512; 64 experts).
 REAL = [
@@ -497,8 +482,11 @@ def test_empty_t() -> None:
     assert y.shape == (0, h) and y.dtype == torch.bfloat16
 
 
-def test_strided_and_misaligned_x() -> None:
-    e, h, i, bits, t = 8, 128, 64, 4, 24  # T > 16: per-slot rows, bit-reproducible
+@pytest.mark.parametrize("t,gemv_slots", [(24, "0"), (3, "64")])
+def test_strided_and_misaligned_x(monkeypatch, t: int, gemv_slots: str) -> None:
+    # T = 24: the grouped kernels (T > 16: per-slot rows, bit-reproducible); T = 3: the GEMV
+    monkeypatch.setenv("KBIT_MOE_GEMV_MAX_SLOTS", gemv_slots)
+    e, h, i, bits = 8, 128, 64, 4
     ex = _experts(e, h, i, bits)
     tw, ids = _routing(t, e, 2, 3)
     x = _x(t, h, torch.float16)
