@@ -124,28 +124,25 @@ def dequant_experts(w, bits, h, i, dtype):
 
 
 KBIT_PATHS = {"auto": "kbit", "kernel": "kbit_kernel", "dequant": "kbit_dequant",
-              "gemv": "kbit_gemv", "gemv2": "kbit_gemv2", "grouped": "kbit_grouped"}  # fmt: skip
+              "gemv": "kbit_gemv", "grouped": "kbit_grouped"}  # fmt: skip
 # kbit::moe's two kernel paths forced: KBIT_MOE_GEMV_MAX_SLOTS replaces csrc/moe_gemv.cu's
 # default rule by T * topk <= its value (the GEMV path takes at most 64 slots and 8 tokens).
-PATH_ENV = {"gemv": {"KBIT_MOE_GEMV_MAX_SLOTS": "64"},  # one cooperative launch where it fits
-            "gemv2": {"KBIT_MOE_GEMV_MAX_SLOTS": "64", "KBIT_MOE_GEMV_FUSED": "0"},  # two launches
-            "grouped": {"KBIT_MOE_GEMV_MAX_SLOTS": "0"}}
+PATH_ENV = {"gemv": {"KBIT_MOE_GEMV_MAX_SLOTS": "64"}, "grouped": {"KBIT_MOE_GEMV_MAX_SLOTS": "0"}}
 GEMV_MAX_SLOTS, GEMV_MAX_T = 64, 8
 
 
 def kbit_fn(x, w, tw, ids, bits, i, path="auto", **kw):
     """One kbit MoE call: path "auto" = moe_dispatch.kbit_moe (what KbitMoEMethod.apply runs),
-    "kernel" = torch.ops.kbit.moe, "gemv" / "gemv2" / "grouped" = torch.ops.kbit.moe with its
-    GEMV path (gemv2: as two launches) or grouped-MMA path forced (PATH_ENV, set around each
-    call: a CUDA graph captures the path taken), "dequant" = moe_dispatch.moe_dequant (kw:
-    max_bytes)."""
+    "kernel" = torch.ops.kbit.moe, "gemv" / "grouped" = torch.ops.kbit.moe with its GEMV /
+    grouped-MMA path forced (PATH_ENV, set around each call: a CUDA graph captures the path
+    taken), "dequant" = moe_dispatch.moe_dequant (kw: max_bytes)."""
     from vllm_kbit import moe_dispatch
 
-    fn = moe_dispatch.kbit_moe if path == "auto" else moe_dispatch.moe_dequant \
-        if path == "dequant" else torch.ops.kbit.moe  # fmt: skip
+    fn = {"auto": moe_dispatch.kbit_moe, "kernel": torch.ops.kbit.moe, "gemv": torch.ops.kbit.moe,
+          "grouped": torch.ops.kbit.moe, "dequant": moe_dispatch.moe_dequant}[path]  # fmt: skip
     q13, a13, q2, a2, cb = w
-    args = (x, q13, a13, q2, a2, cb, tw, ids, None, bits, i, "silu", False)
-    return with_env(PATH_ENV.get(path, {}), lambda: fn(*args, **kw))
+    return with_env(PATH_ENV.get(path, {}),
+                    lambda: fn(x, q13, a13, q2, a2, cb, tw, ids, None, bits, i, "silu", False, **kw))
 
 
 def gemv_ok(m: int, topk: int) -> bool:
@@ -383,9 +380,8 @@ def main(argv=None) -> int:
     ap.add_argument("--baselines", default="torch,vllm,marlin")
     ap.add_argument("--kbit-paths", default="auto,kernel,dequant",
                     help="kbit series: auto (kbit_moe, as vLLM runs it), kernel (kbit::moe\n"
-                         "alone), gemv / gemv2 / grouped (kbit::moe with its GEMV decode path\n"
-                         "(gemv2: as two launches) or its grouped MMA kernels forced; gemv\n"
-                         "only where it applies),\n"
+                         "alone), gemv / grouped (kbit::moe with its GEMV decode path or its\n"
+                         "grouped MMA kernels forced; gemv only where it applies),\n"
                          "dequant (dequantize + vLLM fused_experts, forced)")  # fmt: skip
     ap.add_argument("--dequant-series-min-m", type=int, default=256,
                     help="time the forced dequant series from this M on")  # fmt: skip
@@ -517,14 +513,14 @@ def main(argv=None) -> int:
                 # the kernel; the dequant path in one chunk and in three (chunking and the
                 # chunk expert_maps on the GPU)
                 third = -(-e // 3) * moe_dispatch.expert_bytes(h, i, dtype)
-                variants = [("kernel", {}), ("gemv", {}), ("gemv2", {}), ("grouped", {}),
-                            ("dequant", {}), ("dequant", {"max_bytes": third})]  # fmt: skip
+                variants = [("kernel", {}), ("gemv", {}), ("grouped", {}), ("dequant", {}),
+                            ("dequant", {"max_bytes": third})]  # fmt: skip
                 for m in [1, 37]:
                     tw, ids = routing(m, e, topk, 99, dev)
                     x = torch.randn(m, h, device=dev).to(dtype)
                     want = reference_moe.moe_tiled(x, *w, tw, ids, None, bits, i, "silu", False)
                     for pth, kw in variants:
-                        if pth in ("gemv", "gemv2") and not gemv_ok(m, topk):
+                        if pth == "gemv" and not gemv_ok(m, topk):
                             continue
                         label = pth + (" (3 chunks)" if kw else "")
                         try:
@@ -547,12 +543,12 @@ def main(argv=None) -> int:
                 for pth in kbit_paths:
                     if pth == "dequant" and m < a.dequant_series_min_m:
                         continue
-                    if pth in ("gemv", "gemv2") and not gemv_ok(m, topk):
+                    if pth == "gemv" and not gemv_ok(m, topk):
                         continue
                     fns = [kbit_fn(x, w, tw, ids, bits, i, pth) for x, (tw, ids) in zip(xs, rs)]
                     taken = {"auto": "dequant" if moe_dispatch.use_dequant(m, topk, e) else "kernel",
                              "kernel": "kernel", "dequant": "dequant", "gemv": "gemv",
-                             "gemv2": "gemv2", "grouped": "grouped"}[pth]  # fmt: skip
+                             "grouped": "grouped"}[pth]  # fmt: skip
                     measure(sh, KBIT_PATHS[pth], bits, m, fns, active, eb, taken)
             del w
             torch.cuda.empty_cache()

@@ -58,7 +58,6 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_bf16.h>
-#include <cooperative_groups.h>
 #include <cuda_fp16.h>
 
 #include <algorithm>
@@ -470,7 +469,7 @@ __device__ __forceinline__ void store_x(uint8_t* xs, const Params& p, int m, int
 // kMoeDown: block bl of the CTA's K' range for token m, = act(gate) * up of slot (m, j) at
 // columns [c, c + 32) of I, computed from h (x.dtype) in fp32 and rounded once, as the reference
 // does. Columns >= I (the expert's padding to whole k-tiles) and slots not on this rank are 0.
-template <typename T, bool kL2 = false>
+template <typename T>
 __device__ __forceinline__ XJob load_act(const MoeArgs& mo, const int* s_e, int k_begin, int m,
                                          int bl) {
     XJob r = {};
@@ -485,7 +484,7 @@ __device__ __forceinline__ XJob load_act(const MoeArgs& mo, const int* s_e, int 
     constexpr bool kBF16 = std::is_same_v<T, __nv_bfloat16>;
 #pragma unroll
     for (int q = 0; q < 4; ++q) {  // 8 columns = pairs 4q..4q+3 = r.w[.][.] with c = 4q + i
-        const uint4 gv = kL2 ? __ldcg(g4 + q) : g4[q], uv = kL2 ? __ldcg(u4 + q) : u4[q];
+        const uint4 gv = g4[q], uv = u4[q];
         const uint32_t gw[4] = {gv.x, gv.y, gv.z, gv.w}, uw[4] = {uv.x, uv.y, uv.z, uv.w};
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
@@ -528,48 +527,61 @@ __device__ __forceinline__ int moe_local_expert(const MoeArgs& mo, int s) {
     return e >= 0 && e < mo.E ? static_cast<int>(e) : -1;
 }
 
-// The (n-tile, k-tile) units of CTA `cta` (plan of p): a group of n-tiles, one K split, and warp
-// `warp`'s contiguous run [u0, u1) of them.
-struct CtaWork {
-    int group, split, n_begin, n_cta, k_begin, k_len, u0, u1;
-};
-
-__device__ __forceinline__ CtaWork cta_work(const Params& p, unsigned cta, int warp) {
-    CtaWork w;
+template <int kBits, typename T, int kMode = kDense>
+__global__ void __launch_bounds__(kThreads, 1) gemv_kernel(const Params p, const MoeArgs mo) {
+    constexpr bool kMoe = kMode != kDense, kDown = kMode == kMoeDown;
+    extern __shared__ __align__(16) uint8_t smem[];  // [table][x rows][sums][warp partials]
+    __shared__ int is_last;
+    // slot_tile[2w + s]: offset in acc_s of the n-tile whose partial sums warp w's slot s holds
+    __shared__ __align__(16) int slot_tile[kWarps * 2];
+    // MoE: local expert (-1: none) and router weight of each slot
+    __shared__ int s_e[kMoe ? kMoeMaxSlots : 1];
+    __shared__ float s_w[kMoe ? kMoeMaxSlots : 1];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     // Integer divisions are ~100-cycle dependent chains (no hardware divider): none where a
     // quotient is known, and none in the epilogue.
-    w.group = p.splits == 1 ? cta : cta / p.splits;
-    w.split = cta - w.group * p.splits;
+    const int group = p.splits == 1 ? blockIdx.x : blockIdx.x / p.splits;
+    const int split = blockIdx.x - group * p.splits;
     // 32-bit: the host checks n_tiles * groups < 2^32 (a 64-bit division is a ~100-instruction
     // call, and this runs on the latency chain before the first weight is used).
     const unsigned n_tiles = p.n_tiles, gr = p.groups;
-    w.n_begin = static_cast<int>(w.group * n_tiles / gr);
-    w.n_cta = static_cast<int>((w.group + 1) * n_tiles / gr) - w.n_begin;
-    w.k_begin = w.split * p.k_len, w.k_len = min(p.k_len, p.k_tiles - w.k_begin);
-    const int units = w.n_cta * w.k_len;  // (n-tile, k-tile) pairs, n-major: consecutive in memory
-    w.u0 = warp * units / kWarps, w.u1 = (warp + 1) * units / kWarps;  // host: no overflow
-    return w;
-}
+    const int n_begin = static_cast<int>(group * n_tiles / gr);
+    const int n_cta = static_cast<int>((group + 1) * n_tiles / gr) - n_begin;
+    const int k_begin = split * p.k_len, k_len = min(p.k_len, p.k_tiles - k_begin);
+    const int units = n_cta * k_len;  // (n-tile, k-tile) pairs, n-major: consecutive in memory
+    const int u0 = warp * units / kWarps, u1 = (warp + 1) * units / kWarps;  // host: no overflow
 
-template <int kBits, int kMode>
-using StreamOf = std::conditional_t<kMode != kDense, MoeStream<kBits, kMode == kMoeDown>,
-                                    TileStream<kBits>>;
+    // What the CTA reads before its first MMA is requested at once, in the order it is needed:
+    // the codebook, x (unless PDL: x is the previous kernel's output), each warp's first kEarly
+    // tiles. Issued after the weight loads, the codebook and x reads would queue behind the
+    // weight stream in the memory system (~2-5k cycles measured on H100 at 8B shapes).
+    __shared__ float cb_s[1 << kBits];
+    float cbv = 0.f;
+    if (threadIdx.x < (1 << kBits)) cbv = cb_value(p.cb, threadIdx.x);
+    int se = -1;  // MoE: the slots' experts, needed for the first weight address
+    float sw = 0.f;
+    if constexpr (kMoe) {
+        if (threadIdx.x < mo.S) {
+            se = moe_local_expert(mo, threadIdx.x);
+            sw = mo.topk_w[threadIdx.x];
+        }
+    }
+    const int nblk = k_len * kBlocksPerTile;
+    const bool has_x = threadIdx.x < nblk;  // token 0, block threadIdx.x
+    XJob xj;
+    if (!kDown && !p.pdl && has_x) xj = load_x<T>(p, k_begin, 0, threadIdx.x);
 
-// The stream positioned at the warp's first unit.
-template <int kBits, int kMode>
-__device__ __forceinline__ void init_stream(StreamOf<kBits, kMode>& ts, const Params& p,
-                                            const MoeArgs& mo, const CtaWork& w, int lane,
-                                            const int* s_e, const float* s_w) {
-    const int g = lane >> 2, k_len = w.k_len, u0 = w.u0, k_begin = w.k_begin;
+    constexpr int D = kPrefetch<kBits>;
+    std::conditional_t<kMoe, MoeStream<kBits, kDown>, TileStream<kBits>> ts;
     ts.q = reinterpret_cast<const uint2*>(p.qw);
     ts.a = reinterpret_cast<const uint32_t*>(p.am);
-    if constexpr (kMode != kDense) {  // the warp's first tile: virtual n-tile v, k-tile kk
-        const int v = w.n_begin + u0 / k_len, kk = k_begin + u0 % k_len, grp = v / mo.nte;
+    if constexpr (kMoe) {  // the warp's first tile: virtual n-tile v, k-tile kk
+        const int v = n_begin + u0 / k_len, kk = k_begin + u0 % k_len, grp = v / mo.nte;
         ts.s_e = s_e, ts.s_w = s_w;
         ts.q_expert = mo.q_expert, ts.a_expert = mo.a_expert, ts.lane_q = lane, ts.lane_a = g;
         ts.nte = mo.nte, ts.kte = mo.kte, ts.topk = mo.topk, ts.xrow = p.xrow;
         ts.nt = v - grp * mo.nte;
-        if constexpr (kMode == kMoeDown) {  // grp = token
+        if constexpr (kDown) {  // grp = token
             ts.slot0 = grp * mo.topk, ts.jj = 0, ts.xrow_off = grp * p.xrow;
             ts.j = kk / mo.kte, ts.lk = kk - ts.j * mo.kte;
             ts.j0 = k_begin / mo.kte, ts.lk0 = k_begin - ts.j0 * mo.kte;
@@ -579,7 +591,7 @@ __device__ __forceinline__ void init_stream(StreamOf<kBits, kMode>& ts, const Pa
             ts.j = ts.j0 = 0, ts.lk = kk, ts.lk0 = k_begin;
         }
     } else {
-        const int64_t first = int64_t{w.n_begin + u0 / k_len} * p.k_tiles + k_begin + u0 % k_len;
+        const int64_t first = int64_t{n_begin + u0 / k_len} * p.k_tiles + k_begin + u0 % k_len;
         ts.qo = static_cast<uint32_t>(first * (kBits * 32) + lane);
         ts.ao = static_cast<uint32_t>(first * 16 + g);
         ts.q_jump = static_cast<uint32_t>(p.k_tiles - k_len) * (kBits * 32);
@@ -587,38 +599,26 @@ __device__ __forceinline__ void init_stream(StreamOf<kBits, kMode>& ts, const Pa
     }
     ts.k_len = k_len;
     ts.left = k_len - u0 % k_len;
-}
-
-// Loads slots [i0, i1) of the warp's first kPrefetch tiles, in stream order.
-template <int kBits, int i0, int i1, class Stream>
-__device__ __forceinline__ void prefetch(Stream& ts, Tile<kBits> (&buf)[kPrefetch<kBits>],
-                                         const CtaWork& w) {
-    const int u0 = w.u0, u1 = w.u1;
-#pragma unroll
-    for (int i = i0; i < i1; ++i) {
+    Tile<kBits> buf[D];
+    auto load_tile = [&](int i) {  // slot i of the warp's first D tiles, in stream order
         if (u0 + i < u1) {
             buf[i] = ts.load();
             ts.next();
         }
+    };
+    if constexpr (!kMoe) {
+#pragma unroll
+        for (int i = 0; i < kEarly; ++i) load_tile(i);
     }
-}
 
-// One GEMV over the CTA's units once the table is in shared memory and the first kLoaded tiles
-// are in buf: x staging, the main loop, `after_loop()`, the epilogue (and split-K's last pass).
-// kL2 (kMoeDown in the fused kernel): h was written by other CTAs of this grid, read via L2.
-template <int kBits, typename T, int kMode, int kLoaded, bool kL2 = false, class Stream,
-          class AfterLoop>
-__device__ __forceinline__ void gemv_phase(const Params& p, const MoeArgs& mo, const CtaWork& w,
-                                           Stream& ts, Tile<kBits> (&buf)[kPrefetch<kBits>],
-                                           bool has_x, XJob& xj, uint8_t* smem, const int* s_e,
-                                           const float* s_w, int* slot_tile, int& is_last,
-                                           AfterLoop&& after_loop) {
-    constexpr bool kMoe = kMode != kDense, kDown = kMode == kMoeDown;
-    constexpr int D = kPrefetch<kBits>;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const int group = w.group, split = w.split, n_begin = w.n_begin, n_cta = w.n_cta;
-    const int k_begin = w.k_begin, k_len = w.k_len, u0 = w.u0, u1 = w.u1;
-    const int nblk = k_len * kBlocksPerTile;
+    if (threadIdx.x < (1 << kBits)) cb_s[threadIdx.x] = cbv;
+    if (kMoe && threadIdx.x < mo.S) s_e[threadIdx.x] = se, s_w[threadIdx.x] = sw;
+    __syncthreads();
+    if constexpr (kMoe) {  // MoE: the first addresses needed the slots' experts
+#pragma unroll
+        for (int i = 0; i < kEarly; ++i) load_tile(i);
+    }
+    fill_table<kBits, T>(smem, cb_s, p.row_shift);
     // Up to here only constant data (weights, codebook) was read, unless x was: with PDL this
     // prologue overlaps the previous kernel's tail; x is that kernel's output.
     pdl_wait();
@@ -626,7 +626,7 @@ __device__ __forceinline__ void gemv_phase(const Params& p, const MoeArgs& mo, c
     if constexpr (kDown) {  // x' = act(gate) * up of the slots, from h (the previous kernel's)
         for (int m = 0; m < p.Mx; ++m)
             for (int bl = threadIdx.x; bl < nblk; bl += kThreads)
-                store_x(xs_s, p, m, bl, load_act<T, kL2>(mo, s_e, k_begin, m, bl));
+                store_x(xs_s, p, m, bl, load_act<T>(mo, s_e, k_begin, m, bl));
     } else {
         if (p.pdl && has_x) xj = load_x<T>(p, k_begin, 0, threadIdx.x);
         if (has_x) store_x(xs_s, p, 0, threadIdx.x, xj);
@@ -637,7 +637,8 @@ __device__ __forceinline__ void gemv_phase(const Params& p, const MoeArgs& mo, c
     float* acc_s = reinterpret_cast<float*>(smem + p.acc_off);
     float* part_s = acc_s + n_cta * kTileN * p.M;
     __syncthreads();
-    prefetch<kBits, kLoaded, D>(ts, buf, w);
+#pragma unroll
+    for (int i = kEarly; i < D; ++i) load_tile(i);
 
     // x of this lane's token column (lanes past M repeat token M-1) and 16-byte chunk t.
     const uint8_t* xs0 = smem + p.table_bytes + min(g, p.M - 1) * p.xrow + t * 16;
@@ -685,7 +686,7 @@ __device__ __forceinline__ void gemv_phase(const Params& p, const MoeArgs& mo, c
             }
         }
     }
-    after_loop();
+    pdl_trigger();  // the weights are streamed: the next kernel may start its prologue
     if (lane == 0) {  // the loop's choices, for the epilogue: which n-tile each slot holds
         const int f = u0 / k_len, l = (u1 - 1) / k_len;  // first and last n-tile of the run
         const bool first_whole = u0 == f * k_len && u1 >= (f + 1) * k_len;
@@ -744,120 +745,6 @@ __device__ __forceinline__ void gemv_phase(const Params& p, const MoeArgs& mo, c
             y[int64_t{m} * p.n + row0 + r] = Cvt<T>::out(v);
         }
     }
-}
-
-template <int kBits, typename T, int kMode = kDense>
-__global__ void __launch_bounds__(kThreads, 1) gemv_kernel(const Params p, const MoeArgs mo) {
-    constexpr bool kMoe = kMode != kDense, kDown = kMode == kMoeDown;
-    extern __shared__ __align__(16) uint8_t smem[];  // [table][x rows][sums][warp partials]
-    __shared__ int is_last;
-    // slot_tile[2w + s]: offset in acc_s of the n-tile whose partial sums warp w's slot s holds
-    __shared__ __align__(16) int slot_tile[kWarps * 2];
-    // MoE: local expert (-1: none) and router weight of each slot
-    __shared__ int s_e[kMoe ? kMoeMaxSlots : 1];
-    __shared__ float s_w[kMoe ? kMoeMaxSlots : 1];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const CtaWork w = cta_work(p, blockIdx.x, warp);
-
-    // What the CTA reads before its first MMA is requested at once, in the order it is needed:
-    // the codebook, x (unless PDL: x is the previous kernel's output), each warp's first kEarly
-    // tiles. Issued after the weight loads, the codebook and x reads would queue behind the
-    // weight stream in the memory system (~2-5k cycles measured on H100 at 8B shapes).
-    __shared__ float cb_s[1 << kBits];
-    float cbv = 0.f;
-    if (threadIdx.x < (1 << kBits)) cbv = cb_value(p.cb, threadIdx.x);
-    int se = -1;  // MoE: the slots' experts, needed for the first weight address
-    float sw = 0.f;
-    if constexpr (kMoe) {
-        if (threadIdx.x < mo.S) {
-            se = moe_local_expert(mo, threadIdx.x);
-            sw = mo.topk_w[threadIdx.x];
-        }
-    }
-    const bool has_x = threadIdx.x < w.k_len * kBlocksPerTile;  // token 0, block threadIdx.x
-    XJob xj;
-    if (!kDown && !p.pdl && has_x) xj = load_x<T>(p, w.k_begin, 0, threadIdx.x);
-
-    StreamOf<kBits, kMode> ts;
-    init_stream<kBits, kMode>(ts, p, mo, w, lane, s_e, s_w);
-    Tile<kBits> buf[kPrefetch<kBits>];
-    if constexpr (!kMoe) prefetch<kBits, 0, kEarly>(ts, buf, w);
-
-    if (threadIdx.x < (1 << kBits)) cb_s[threadIdx.x] = cbv;
-    if (kMoe && threadIdx.x < mo.S) s_e[threadIdx.x] = se, s_w[threadIdx.x] = sw;
-    __syncthreads();
-    if constexpr (kMoe) prefetch<kBits, 0, kEarly>(ts, buf, w);  // needed the slots' experts
-    fill_table<kBits, T>(smem, cb_s, p.row_shift);
-    gemv_phase<kBits, T, kMode, kEarly>(p, mo, w, ts, buf, has_x, xj, smem, s_e, s_w, slot_tile,
-                                        is_last, [] {
-                                            // the weights are streamed: the next kernel may
-                                            // start its prologue
-                                            pdl_trigger();
-                                        });
-}
-
-// kbit::moe's decode path in one cooperative launch (moe_gemv.cu): the gate_up phase, a
-// grid-wide barrier, the down phase. Against two launches it saves the second launch and its
-// prologue (codebook, the slots' experts, the table fill), and each warp's first down tiles
-// (weights only) are loaded right after its gate_up loop, so their latency overlaps gate_up's
-// epilogue and the barrier. CTAs past a phase's grid idle through it (the grid is the larger
-// of the two plans, at most one CTA per SM: the host checks co-residency).
-template <int kBits, typename T>
-__global__ void __launch_bounds__(kThreads, 1)
-    moe_gemv_fused_kernel(const Params p1, const MoeArgs mo1, const Params p2, const MoeArgs mo2) {
-    extern __shared__ __align__(16) uint8_t smem[];  // [table][x rows][sums][warp partials]
-    __shared__ int is_last;
-    __shared__ __align__(16) int slot_tile[kWarps * 2];
-    __shared__ int s_e[kMoeMaxSlots];
-    __shared__ float s_w[kMoeMaxSlots];
-    __shared__ float cb_s[1 << kBits];
-    constexpr int D = kPrefetch<kBits>;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const bool on1 = blockIdx.x < static_cast<unsigned>(p1.groups * p1.splits);
-    const bool on2 = blockIdx.x < static_cast<unsigned>(p2.groups * p2.splits);
-    const CtaWork w1 = cta_work(p1, on1 ? blockIdx.x : 0, warp);
-    const CtaWork w2 = cta_work(p2, on2 ? blockIdx.x : 0, warp);
-
-    float cbv = 0.f;
-    if (threadIdx.x < (1 << kBits)) cbv = cb_value(p1.cb, threadIdx.x);
-    int se = -1;
-    float sw = 0.f;
-    if (threadIdx.x < mo1.S) {
-        se = moe_local_expert(mo1, threadIdx.x);
-        sw = mo1.topk_w[threadIdx.x];
-    }
-    const bool has_x = on1 && threadIdx.x < w1.k_len * kBlocksPerTile;
-    XJob xj;
-    if (has_x) xj = load_x<T>(p1, w1.k_begin, 0, threadIdx.x);
-    if (threadIdx.x < (1 << kBits)) cb_s[threadIdx.x] = cbv;
-    if (threadIdx.x < mo1.S) s_e[threadIdx.x] = se, s_w[threadIdx.x] = sw;
-    __syncthreads();
-    StreamOf<kBits, kMoeGateUp> ts1;
-    Tile<kBits> buf1[D];
-    if (on1) {
-        init_stream<kBits, kMoeGateUp>(ts1, p1, mo1, w1, lane, s_e, s_w);
-        prefetch<kBits, 0, kEarly>(ts1, buf1, w1);
-    }
-    fill_table<kBits, T>(smem, cb_s, p1.row_shift);
-
-    StreamOf<kBits, kMoeDown> ts2;
-    Tile<kBits> buf2[D];
-    auto start_down = [&] {
-        if (on2) {
-            init_stream<kBits, kMoeDown>(ts2, p2, mo2, w2, lane, s_e, s_w);
-            prefetch<kBits, 0, D>(ts2, buf2, w2);
-        }
-    };
-    if (on1) {
-        gemv_phase<kBits, T, kMoeGateUp, kEarly>(p1, mo1, w1, ts1, buf1, has_x, xj, smem, s_e,
-                                                 s_w, slot_tile, is_last, start_down);
-    } else {
-        start_down();
-    }
-    cooperative_groups::this_grid().sync();  // h complete and visible (the barrier fences)
-    if (on2)
-        gemv_phase<kBits, T, kMoeDown, D, true>(p2, mo2, w2, ts2, buf2, false, xj, smem, s_e,
-                                                 s_w, slot_tile, is_last, [] {});
 }
 
 struct Plan {

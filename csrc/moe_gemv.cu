@@ -1,71 +1,21 @@
 // SPDX-License-Identifier: Apache-2.0
-// kbit::moe's decode path (few slots, see moe_gemv_takes): the MoE layer as the GEMV kernel
-// (gemv.cuh) run over the routed experts, instead of the grouped MMA kernels of moe.cu (routing,
-// gate_up, down, combine).
+// kbit::moe's decode path (few slots, see moe_gemv_takes): the MoE layer as two
+// launches of the GEMV kernel (gemv.cuh, modes kMoeGateUp / kMoeDown) instead of the grouped
+// MMA kernels of moe.cu (routing, gate_up, down, combine).
 //
 // Why: at decode each expert gets ~1 slot, so the grouped kernel's CTAs each stream one
 // expert's tiles with 8 token columns of which one is used, and the layer is 3-4 dependent
 // launches; Qwen3-30B-A3B at T = 1 ran at ~0.66 TB/s of weights (30 us for 20 MB,
 // benchmarks/results/bench_moe_h100__s5.md). The GEMV spreads the tiles of all slots over
-// every SM, fuses the gated activation into the down GEMV's staging of its input and the top-k
-// weighted sum into the down GEMV's K reduction: no routing pass, no atomics, deterministic.
-// Both GEMVs run in one cooperative launch (moe_gemv_fused_kernel: gate_up, grid barrier, down)
-// where the two plans share a table layout and fit the GPU at once, else as two launches
-// (modes kMoeGateUp / kMoeDown; KBIT_MOE_GEMV_FUSED=0 forces these).
+// every SM, fuses the gated activation into the down kernel's staging of its input and the
+// top-k weighted sum into the down kernel's K reduction: 2 launches, no routing pass, no
+// atomics, deterministic.
 //
-//   gate_up: h[s, :] = x[s / topk] @ W13[e(s)]^T                    (rows S x 2I, K = H)
-//   down:    out[t, :] = sum_j w[t, j] * act(h_gate) * h_up @ W2[e(t, j)]^T
-//                                                                   (rows T x H, K' = topk I)
+//   gate_up: h[s, :]  = x[s / topk] @ W13[e(s)]^T                       (rows S x 2I, K = H)
+//   down:    out[t, :] = sum_j w[t, j] * act(h_gate) * h_up @ W2[e(t, j)]^T  (rows T x H, K' = topk I)
 #include "gemv.cuh"
 
 namespace kbit {
-namespace {
-
-// moe_gemv_fused_kernel (gemv.cuh) as a cooperative launch: grid = the larger plan, one CTA per
-// SM at most. Returns false (nothing launched) when that many CTAs cannot be resident at once.
-template <int kBits, typename T>
-bool launch_fused(const Params& p1, const MoeArgs& mo1, const Plan& plan1, const Params& p2,
-                  const MoeArgs& mo2, const Plan& plan2, const GemvDevice& d,
-                  cudaStream_t stream) {
-    auto kernel = moe_gemv_fused_kernel<kBits, T>;
-    const int smem = static_cast<int>(std::max(plan1.smem, plan2.smem));
-    static std::once_flag configured[64];
-    static int per_sm[64];  // resident CTAs per SM at the largest shared-memory size
-    std::call_once(configured[d.device], [&] {
-        C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            static_cast<int>(d.smem_max)));
-        C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-            &per_sm[d.device], kernel, kThreads, static_cast<int>(d.smem_max)));
-    });
-    const int grid = std::max(plan1.groups * plan1.splits, plan2.groups * plan2.splits);
-    if (per_sm[d.device] < 1 || grid > d.sms * per_sm[d.device]) return false;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(grid);
-    cfg.blockDim = dim3(kThreads);
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeCooperative;  // grid.sync(); also valid in CUDA graphs
-    attr[0].val.cooperative = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p1, mo1, p2, mo2));
-    return true;
-}
-
-template <typename T>
-bool launch_fused_bits(int64_t bits, const Params& p1, const MoeArgs& mo1, const Plan& plan1,
-                       const Params& p2, const MoeArgs& mo2, const Plan& plan2,
-                       const GemvDevice& d, cudaStream_t stream) {
-    switch (bits) {
-        case 2: return launch_fused<2, T>(p1, mo1, plan1, p2, mo2, plan2, d, stream);
-        case 3: return launch_fused<3, T>(p1, mo1, plan1, p2, mo2, plan2, d, stream);
-        case 4: return launch_fused<4, T>(p1, mo1, plan1, p2, mo2, plan2, d, stream);
-        default: return launch_fused<5, T>(p1, mo1, plan1, p2, mo2, plan2, d, stream);
-    }
-}
-
-}  // namespace
 
 bool moe_gemv_takes(int64_t T, int64_t topk, int64_t global_experts) {
     const int64_t S = T * topk;
@@ -164,17 +114,6 @@ void moe_gemv(const at::Tensor& x, at::Tensor& y, const at::Tensor& ids, const a
     TORCH_CHECK(plan2.splits > 0, "kbit::moe: not enough shared memory for the GEMV path");
     apply_plan(p2, plan2, x, ws2, arrived2);
 
-    // One cooperative launch where both phases share the table layout and every CTA of the
-    // larger plan fits on the GPU at once (KBIT_MOE_GEMV_FUSED=0: always two launches).
-    const bool same_table = plan1.table_bytes == plan2.table_bytes &&
-                            plan1.row_shift == plan2.row_shift;
-    if (same_table && env_int("KBIT_MOE_GEMV_FUSED", 1) != 0) {
-        const bool done = bf16 ? launch_fused_bits<__nv_bfloat16>(bits, p1, mo1, plan1, p2, mo2,
-                                                                   plan2, d, stream)
-                               : launch_fused_bits<__half>(bits, p1, mo1, plan1, p2, mo2, plan2,
-                                                           d, stream);
-        if (done) return;
-    }
     if (bf16) {
         launch_bits<__nv_bfloat16, kMoeGateUp>(bits, p1, mo1, plan1, d, false, stream);
         launch_bits<__nv_bfloat16, kMoeDown>(bits, p2, mo2, plan2, d, pdl, stream);

@@ -40,7 +40,7 @@ ACTS = {
 }
 ENV_VARS = ("KBIT_MOE_TM", "KBIT_MOE_SPLITS", "KBIT_MOE_NO_CLUSTER", "KBIT_MOE_NO_PDL",
             "KBIT_MOE_ROUTE_KERNEL", "KBIT_MOE_ATOMIC", "KBIT_MOE_DETERMINISTIC",
-            "KBIT_MOE_GEMV_MAX_SLOTS", "KBIT_MOE_GEMV_FUSED")  # fmt: skip
+            "KBIT_MOE_GEMV_MAX_SLOTS")  # fmt: skip
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -290,14 +290,12 @@ def test_split_reductions_agree(monkeypatch, t: int) -> None:
 
 # ------------------------------------------------------------------ GEMV decode path
 # csrc/moe_gemv.cu: by default for <= 16 slots when T == 1 or experts >= 4 x slots; with
-# KBIT_MOE_GEMV_MAX_SLOTS set, when T * topk <= its value (at most 64 slots and 8 tokens). One
-# cooperative launch (gate_up, grid barrier, down) or, with KBIT_MOE_GEMV_FUSED=0, two.
+# KBIT_MOE_GEMV_MAX_SLOTS set, when T * topk <= its value (at most 64 slots and 8 tokens).
 
 
-@pytest.fixture(params=["fused", "two_launches"])
-def gemv(monkeypatch, request):
+@pytest.fixture
+def gemv(monkeypatch):
     monkeypatch.setenv("KBIT_MOE_GEMV_MAX_SLOTS", "64")
-    monkeypatch.setenv("KBIT_MOE_GEMV_FUSED", "1" if request.param == "fused" else "0")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -432,9 +430,8 @@ GEMV = {"KBIT_MOE_GEMV_MAX_SLOTS": "64"}
 @pytest.mark.parametrize("t,env", [(1, {}), (1, {"KBIT_MOE_DETERMINISTIC": "1"}),
                                    (4, {"KBIT_MOE_NO_CLUSTER": "1"}), (64, {}),
                                    (600, {}), (600, {"KBIT_MOE_ATOMIC": "1"}),
-                                   (1, GEMV), (4, GEMV), (1, {**GEMV, "KBIT_MOE_GEMV_FUSED": "0"}),
-                                   (1, {**GEMV, "KBIT_MOE_GEMV_FUSED": "0",
-                                        "KBIT_MOE_NO_PDL": "1"})])  # fmt: skip
+                                   (1, GEMV), (1, {**GEMV, "KBIT_MOE_NO_PDL": "1"}),
+                                   (4, GEMV)])  # fmt: skip
 def test_cuda_graph_replay_equals_eager(monkeypatch, t: int, env: dict[str, str]) -> None:
     monkeypatch.setenv("KBIT_MOE_GEMV_MAX_SLOTS", "0")  # the grouped kernels unless env says
     for k, v in env.items():

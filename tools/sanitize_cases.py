@@ -121,9 +121,7 @@ if hasattr(K_OPS, "moe") and "moe" not in getattr(ops, "_cuda_reference_ops", ["
             det = {"KBIT_MOE_DETERMINISTIC": "1"}
             grouped = {"KBIT_MOE_GEMV_MAX_SLOTS": "0"}  # else T * topk <= 16 takes the GEMV
             gemv = {"KBIT_MOE_GEMV_MAX_SLOTS": "64"}
-            two = {**gemv, "KBIT_MOE_GEMV_FUSED": "0"}  # the GEMV path as two launches
-            for t, topk, env in ((1, 2, gemv), (3, 2, gemv), (8, 8, gemv), (3, 2, two),
-                                 (1, 2, grouped),
+            for t, topk, env in ((1, 2, gemv), (3, 2, gemv), (8, 8, gemv), (1, 2, grouped),
                                  (3, 2, {"KBIT_MOE_SPLITS": "2", **det, **grouped}),
                                  (5, 2, {"KBIT_MOE_SPLITS": "2", "KBIT_MOE_NO_CLUSTER": "1",
                                          **det, **grouped}),
