@@ -11,8 +11,12 @@
 // top-k weighted sum into the down kernel's K reduction: 2 launches, no routing pass, no
 // atomics, deterministic.
 //
-//   gate_up: h[s, :]  = x[s / topk] @ W13[e(s)]^T                       (rows S x 2I, K = H)
-//   down:    out[t, :] = sum_j w[t, j] * act(h_gate) * h_up @ W2[e(t, j)]^T  (rows T x H, K' = topk I)
+//   gate_up: h[s, :] = x[s / topk] @ W13[e(s)]^T                    (rows S x 2I, K = H)
+//   down:    out[t, :] = sum_j w[t, j] * act(h_gate) * h_up @ W2[e(t, j)]^T
+//                                                                   (rows T x H, K' = topk I)
+// Measured alternative, not kept: both GEMVs in one cooperative launch with a grid barrier was
+// 1-2 us slower per layer than these two launches (bench_moe_h100_s10b.md, branch
+// s10-moe-fused).
 #include "gemv.cuh"
 
 namespace kbit {
@@ -51,8 +55,9 @@ void moe_gemv(const at::Tensor& x, at::Tensor& y, const at::Tensor& ids, const a
     const GemvDevice d = gemv_device(x, "moe");
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
     const bool bf16 = x.scalar_type() == at::kBFloat16;
-    // The down kernel builds its table and reads the slots' experts while gate_up drains (PDL,
-    // sm_90); it reads h only after pdl_wait. KBIT_MOE_NO_PDL=1 turns it off, as in moe.cu.
+    // The down kernel is launched with PDL (sm_90): its CTAs may start their prologue (table,
+    // the slots' experts, first weight tiles) as gate_up's CTAs exit; it reads h only after
+    // pdl_wait. KBIT_MOE_NO_PDL=1 turns it off, as in moe.cu.
     const bool pdl = env_int("KBIT_MOE_NO_PDL", 0) == 0;
 
     MoeArgs mo{};
