@@ -517,16 +517,6 @@ __device__ __forceinline__ void store_sums(float (&acc)[4], float* rows, int g, 
     acc[0] = acc[1] = acc[2] = acc[3] = 0.f;
 }
 
-// MoE: local expert of slot s, or -1 (another rank's expert, or an id outside the tables).
-__device__ __forceinline__ int moe_local_expert(const MoeArgs& mo, int s) {
-    int64_t e = mo.ids64 ? mo.ids64[s] : static_cast<int64_t>(mo.ids32[s]);
-    if (mo.emap) {
-        if (e < 0 || e >= mo.emap_n) return -1;
-        e = mo.emap[e];
-    }
-    return e >= 0 && e < mo.E ? static_cast<int>(e) : -1;
-}
-
 template <int kBits, typename T, int kMode = kDense>
 __global__ void __launch_bounds__(kThreads, 1) gemv_kernel(const Params p, const MoeArgs mo) {
     constexpr bool kMoe = kMode != kDense, kDown = kMode == kMoeDown;
@@ -562,7 +552,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_kernel(const Params p, const
     float sw = 0.f;
     if constexpr (kMoe) {
         if (threadIdx.x < mo.S) {
-            se = moe_local_expert(mo, threadIdx.x);
+            se = local_expert(mo, threadIdx.x);
             sw = mo.topk_w[threadIdx.x];
         }
     }
@@ -630,6 +620,8 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_kernel(const Params p, const
     } else {
         if (p.pdl && has_x) xj = load_x<T>(p, k_begin, 0, threadIdx.x);
         if (has_x) store_x(xs_s, p, 0, threadIdx.x, xj);
+        // dense: Mx == M; reading M there keeps the measured dense code (a new field read
+        // changes its sm_90a schedule)
         for (int m = 0; m < (kMoe ? p.Mx : p.M); ++m)
             for (int bl = threadIdx.x + (m == 0 ? kThreads : 0); bl < nblk; bl += kThreads)
                 store_x(xs_s, p, m, bl, load_x<T>(p, k_begin, m, bl));

@@ -150,6 +150,19 @@ __device__ __forceinline__ float act_fn(float v, int act) {
     return 0.5f * v * (1.0f + tanhf(inner));
 }
 
+// MoE routing: the local expert of slot s, or -1 (another rank's expert, or an id outside the
+// tables). R (moe.cu's Routing, gemv.cuh's MoeArgs) has ids32 / ids64 (one set: topk_ids [S]),
+// emap (expert_map [emap_n] or null) and E (local experts).
+template <class R>
+__device__ __forceinline__ int local_expert(const R& r, int s) {
+    int64_t g = r.ids64 ? r.ids64[s] : static_cast<int64_t>(r.ids32[s]);
+    if (r.emap) {
+        if (g < 0 || g >= r.emap_n) return -1;
+        g = r.emap[g];
+    }
+    return g >= 0 && g < r.E ? static_cast<int>(g) : -1;
+}
+
 // Sizes of the runtime layout of W[n, k].
 struct TiledShape {
     int64_t n, k, np, kp, n_tiles, k_tiles, words, absmax_bytes;

@@ -75,16 +75,6 @@ struct Routing {
     const int* num_tiles;  // [1]
 };
 
-// Local expert of slot s, or -1 (another rank's expert, or an id outside the tables).
-__device__ __forceinline__ int local_expert(const Routing& r, int s) {
-    int64_t g = r.ids64 ? r.ids64[s] : static_cast<int64_t>(r.ids32[s]);
-    if (r.emap) {
-        if (g < 0 || g >= r.emap_n) return -1;
-        g = r.emap[g];
-    }
-    return g >= 0 && g < r.E ? static_cast<int>(g) : -1;
-}
-
 struct GemmParams {
     Routing rt;
     const uint8_t* x;       // gate_up: x [T, ldx] (row = slot / topk); down: act_buf [S, I]

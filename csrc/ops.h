@@ -46,9 +46,8 @@ at::Tensor moe(const at::Tensor& x, const at::Tensor& w13_qweight, const at::Ten
                int64_t bits, int64_t inter_size, c10::string_view activation,
                bool apply_router_weight_on_input);
 // moe_gemv.cu: kbit::moe's decode path (T tokens, top-k of global_experts): does it take this
-// call? And the path
-// itself, on arguments kbit::moe has checked (x with unit column stride, ids / tw contiguous,
-// emap undefined or int32, y [T, H] to fill).
+// call? And the path itself, on arguments kbit::moe has checked (x with unit column stride,
+// ids / tw contiguous, emap undefined or int32, y [T, H] to fill).
 bool moe_gemv_takes(int64_t T, int64_t topk, int64_t global_experts);
 void moe_gemv(const at::Tensor& x, at::Tensor& y, const at::Tensor& ids, const at::Tensor& tw,
               const at::Tensor& emap, const at::Tensor& w13q, const at::Tensor& w13a,
