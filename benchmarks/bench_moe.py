@@ -5,11 +5,12 @@
 plain-torch bf16 baseline (per-expert matmuls on the gathered tokens) always.
 
 kbit series (--kbit-paths): ``kbit`` = ``moe_dispatch.kbit_moe``, exactly what
-``KbitMoEMethod.apply`` runs (the grouped kernel, or from KBIT_MOE_DEQUANT_MIN_M /
-KBIT_MOE_DEQUANT_MIN_TPE on, the experts dequantized + vLLM's fused_experts; [D] marks those
-points); ``kbit_kernel`` = ``torch.ops.kbit.moe`` alone (its GEMV decode path for few slots,
-csrc/moe_gemv.cu's moe_gemv_takes, else the grouped MMA kernels); ``kbit_gemv`` /
-``kbit_grouped`` = those two paths forced (gemv only where it applies: <= 64 slots, T <= 8);
+``KbitMoEMethod.apply`` runs (torch.ops.kbit.moe, or from KBIT_MOE_DEQUANT_MIN_M /
+KBIT_MOE_DEQUANT_MIN_TPE on, except on sm_90, the experts dequantized + vLLM's fused_experts;
+[D] marks those points); ``kbit_kernel`` = ``torch.ops.kbit.moe`` alone (its GEMV decode path
+for few slots, csrc/moe_gemv.cu's moe_gemv_takes; on sm_90 the grouped wgmma GEMMs from 64 slots
+per expert, csrc/moe_wgmma.cu; else the grouped MMA kernels); ``kbit_gemv`` / ``kbit_grouped`` /
+``kbit_wgmma`` = those paths forced (gemv only where it applies: <= 64 slots, T <= 8);
 ``kbit_dequant`` = the dequant path forced (for M >= --dequant-series-min-m). Forced series side
 by side give the crossover M to set the thresholds to (pass them with --env to time ``kbit``).
 
@@ -124,10 +125,13 @@ def dequant_experts(w, bits, h, i, dtype):
 
 
 KBIT_PATHS = {"auto": "kbit", "kernel": "kbit_kernel", "dequant": "kbit_dequant",
-              "gemv": "kbit_gemv", "grouped": "kbit_grouped"}  # fmt: skip
-# kbit::moe's two kernel paths forced: KBIT_MOE_GEMV_MAX_SLOTS replaces csrc/moe_gemv.cu's
-# default rule by T * topk <= its value (the GEMV path takes at most 64 slots and 8 tokens).
-PATH_ENV = {"gemv": {"KBIT_MOE_GEMV_MAX_SLOTS": "64"}, "grouped": {"KBIT_MOE_GEMV_MAX_SLOTS": "0"}}
+              "gemv": "kbit_gemv", "grouped": "kbit_grouped", "wgmma": "kbit_wgmma"}  # fmt: skip
+# kbit::moe's kernel paths forced: KBIT_MOE_GEMV_MAX_SLOTS replaces csrc/moe_gemv.cu's default
+# rule by T * topk <= its value (the GEMV path takes at most 64 slots and 8 tokens);
+# KBIT_MOE_WGMMA=0/1 keeps the sm_90 grouped wgmma path (csrc/moe_wgmma.cu) off / takes it always.
+PATH_ENV = {"gemv": {"KBIT_MOE_GEMV_MAX_SLOTS": "64"},
+            "grouped": {"KBIT_MOE_GEMV_MAX_SLOTS": "0", "KBIT_MOE_WGMMA": "0"},
+            "wgmma": {"KBIT_MOE_GEMV_MAX_SLOTS": "0", "KBIT_MOE_WGMMA": "1"}}  # fmt: skip
 GEMV_MAX_SLOTS, GEMV_MAX_T = 64, 8
 
 
@@ -139,7 +143,8 @@ def kbit_fn(x, w, tw, ids, bits, i, path="auto", **kw):
     from vllm_kbit import moe_dispatch
 
     fn = {"auto": moe_dispatch.kbit_moe, "kernel": torch.ops.kbit.moe, "gemv": torch.ops.kbit.moe,
-          "grouped": torch.ops.kbit.moe, "dequant": moe_dispatch.moe_dequant}[path]  # fmt: skip
+          "grouped": torch.ops.kbit.moe, "wgmma": torch.ops.kbit.moe,
+          "dequant": moe_dispatch.moe_dequant}[path]  # fmt: skip
     q13, a13, q2, a2, cb = w
     return with_env(PATH_ENV.get(path, {}),
                     lambda: fn(x, q13, a13, q2, a2, cb, tw, ids, None, bits, i, "silu", False, **kw))
@@ -380,8 +385,9 @@ def main(argv=None) -> int:
     ap.add_argument("--baselines", default="torch,vllm,marlin")
     ap.add_argument("--kbit-paths", default="auto,kernel,dequant",
                     help="kbit series: auto (kbit_moe, as vLLM runs it), kernel (kbit::moe\n"
-                         "alone), gemv / grouped (kbit::moe with its GEMV decode path or its\n"
-                         "grouped MMA kernels forced; gemv only where it applies),\n"
+                         "alone), gemv / grouped / wgmma (kbit::moe with its GEMV decode path,\n"
+                         "its grouped mma.sync kernels or its sm_90 grouped wgmma path forced;\n"
+                         "gemv only where it applies),\n"
                          "dequant (dequantize + vLLM fused_experts, forced)")  # fmt: skip
     ap.add_argument("--dequant-series-min-m", type=int, default=256,
                     help="time the forced dequant series from this M on")  # fmt: skip
@@ -513,8 +519,8 @@ def main(argv=None) -> int:
                 # the kernel; the dequant path in one chunk and in three (chunking and the
                 # chunk expert_maps on the GPU)
                 third = -(-e // 3) * moe_dispatch.expert_bytes(h, i, dtype)
-                variants = [("kernel", {}), ("gemv", {}), ("grouped", {}), ("dequant", {}),
-                            ("dequant", {"max_bytes": third})]  # fmt: skip
+                variants = [("kernel", {}), ("gemv", {}), ("grouped", {}), ("wgmma", {}),
+                            ("dequant", {}), ("dequant", {"max_bytes": third})]  # fmt: skip
                 for m in [1, 37]:
                     tw, ids = routing(m, e, topk, 99, dev)
                     x = torch.randn(m, h, device=dev).to(dtype)
@@ -546,9 +552,9 @@ def main(argv=None) -> int:
                     if pth == "gemv" and not gemv_ok(m, topk):
                         continue
                     fns = [kbit_fn(x, w, tw, ids, bits, i, pth) for x, (tw, ids) in zip(xs, rs)]
-                    taken = {"auto": "dequant" if moe_dispatch.use_dequant(m, topk, e) else "kernel",
-                             "kernel": "kernel", "dequant": "dequant", "gemv": "gemv",
-                             "grouped": "grouped"}[pth]  # fmt: skip
+                    auto = "dequant" if moe_dispatch.takes_dequant(xs[0], topk, e) else "kernel"
+                    taken = {"auto": auto, "kernel": "kernel", "dequant": "dequant", "gemv": "gemv",
+                             "grouped": "grouped", "wgmma": "wgmma"}[pth]  # fmt: skip
                     measure(sh, KBIT_PATHS[pth], bits, m, fns, active, eb, taken)
             del w
             torch.cuda.empty_cache()
@@ -632,8 +638,9 @@ def markdown(points, meta, notes, checks, shapes) -> str:
               "when vLLM is absent); `x Marlin` = fused_marlin_moe W4A16 time / this time. "
               "`kbit` = moe_dispatch.kbit_moe (what KbitMoEMethod.apply runs; [D]: it took the "
               "dequant + fused_experts path at that M), `kbit_kernel` = kbit::moe alone (its "
-              "GEMV decode path for <= 16 slots when T = 1 or experts >= 4 x slots, else the "
-              "grouped kernels), `kbit_gemv` / `kbit_grouped` = those two paths forced, "
+              "GEMV decode path for <= 16 slots when T = 1 or experts >= 4 x slots; on sm_90 "
+              "the grouped wgmma GEMMs from 64 slots per expert; else the grouped mma.sync "
+              "kernels), `kbit_gemv` / `kbit_grouped` / `kbit_wgmma` = those paths forced, "
               "`kbit_dequant` = the dequant path forced. Dispatch settings: "
               f"`{meta.get('kbit_dispatch')}`.")
     lines += ["", legend, ""]

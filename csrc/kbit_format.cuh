@@ -150,6 +150,32 @@ __device__ __forceinline__ float act_fn(float v, int act) {
     return 0.5f * v * (1.0f + tanhf(inner));
 }
 
+// act(h_gate) * h_up for 4 columns: h rounded to the dtype, product in fp32 rounded once
+// (reference_moe.moe_tiled). `wm` = router weight applied to the fp32 sums first (or 1).
+template <bool BF16>
+__device__ __forceinline__ uint2 act_mul4(float4 g, float4 u, float wm, int act) {
+    auto one = [&](float gv, float uv) {
+        return act_fn(round_to<BF16>(gv * wm), act) * round_to<BF16>(uv * wm);
+    };
+    return make_uint2(pack2<BF16>(one(g.x, u.x), one(g.y, u.y)),
+                      pack2<BF16>(one(g.z, u.z), one(g.w, u.w)));
+}
+
+__device__ __forceinline__ void atomic_add4(float* dst, float4 v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    atomicAdd(reinterpret_cast<float4*>(dst), v);
+#else
+    atomicAdd(dst, v.x), atomicAdd(dst + 1, v.y), atomicAdd(dst + 2, v.z), atomicAdd(dst + 3, v.w);
+#endif
+}
+
+__device__ __forceinline__ float4 f4add(float4 a, float4 b) {
+    return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
+}
+__device__ __forceinline__ float4 f4mul(float4 a, float s) {
+    return make_float4(a.x * s, a.y * s, a.z * s, a.w * s);
+}
+
 // MoE routing: the local expert of slot s, or -1 (another rank's expert, or an id outside the
 // tables). R (moe.cu's Routing, gemv.cuh's MoeArgs) has ids32 / ids64 (one set: topk_ids [S]),
 // emap (expert_map [emap_n] or null) and E (local experts).

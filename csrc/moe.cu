@@ -5,6 +5,9 @@
 //   out[t] = sum_j w[t, j] * down_e(act(gate_e(x_t)) * up_e(x_t)),  e = local expert of slot (t, j)
 //
 // Decode calls with few slots (moe_gemv_takes) go to moe_gemv.cu instead: two GEMV launches.
+// On sm_90 (sm_90a builds), calls with >= 64 slots per local expert take run_moe_wgmma instead:
+// the routing kernel below (tiles of 128 or 256 slots), a gather of the slots' x rows in expert
+// order, gate_up (+ activation) and down as grouped wgmma GEMMs (moe_wgmma.cu), the combine.
 // Launches (one per stage, all on the current stream, no host sync, CUDA-graph safe):
 //  1. route (only when T * topk > 256): one CTA sorts the slots s = t * topk + j by local expert
 //     (counting sort, shared-memory atomics) and lists the work tiles (expert, first sorted slot,
@@ -58,6 +61,8 @@ constexpr int kRouteThreads = 1024;
 constexpr int kMaxExperts = 4096;                  // routing histograms live in shared memory
 constexpr int64_t kSlotsMaxBytes = int64_t{32} << 20;  // per-slot fp32 rows up to this size
 constexpr int64_t kAtomicMaxT = 16;  // decode: atomics by default up to this many tokens
+// sm_90: the grouped wgmma GEMMs (moe_wgmma.cu) from this many slots per local expert on.
+constexpr double kWgMinSlots = 64;
 
 enum Gemm : int { kGateUp = 0, kDown = 1 };
 enum OutMode : int { kSlots = 0, kAtomic = 1 };
@@ -123,32 +128,6 @@ __device__ __forceinline__ int block_exclusive_scan(int v, int* ws, int& total) 
     total = ws[32];
     __syncthreads();  // ws may be reused right away
     return r;
-}
-
-// act(h_gate) * h_up for 4 columns: h rounded to the dtype, product in fp32 rounded once
-// (reference_moe.moe_tiled). `wm` = router weight applied to the fp32 sums first (or 1).
-template <bool BF16>
-__device__ __forceinline__ uint2 act_mul4(float4 g, float4 u, float wm, int act) {
-    auto one = [&](float gv, float uv) {
-        return act_fn(round_to<BF16>(gv * wm), act) * round_to<BF16>(uv * wm);
-    };
-    return make_uint2(pack2<BF16>(one(g.x, u.x), one(g.y, u.y)),
-                      pack2<BF16>(one(g.z, u.z), one(g.w, u.w)));
-}
-
-__device__ __forceinline__ void atomic_add4(float* dst, float4 v) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    atomicAdd(reinterpret_cast<float4*>(dst), v);
-#else
-    atomicAdd(dst, v.x), atomicAdd(dst + 1, v.y), atomicAdd(dst + 2, v.z), atomicAdd(dst + 3, v.w);
-#endif
-}
-
-__device__ __forceinline__ float4 f4add(float4 a, float4 b) {
-    return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
-}
-__device__ __forceinline__ float4 f4mul(float4 a, float s) {
-    return make_float4(a.x * s, a.y * s, a.z * s, a.w * s);
 }
 
 // The tile of CTA z: its expert (-1: none), rows, and the slots of its rows in s_slot[0, rows).
@@ -485,12 +464,46 @@ __global__ void __launch_bounds__(kRouteThreads) moe_route_kernel(const RoutePar
             p.tiles[toff++] = make_int4(e, off + j * p.tile_m, min(p.tile_m, c - j * p.tile_m), 0);
         off += c;
     }
-    if (tid == 0) *p.num_tiles = total_tiles;
+    if (tid == 0) p.num_tiles[0] = total_tiles, p.num_tiles[1] = total;  // [1]: routed slots
     __syncthreads();
     for (int s = tid; s < p.rt.S; s += kRouteThreads) {
         const int e = local_expert(p.rt, s);
         if (e >= 0) p.sorted[atomicAdd(&cur[e], 1)] = s;
     }
+}
+
+// The wgmma path's inputs (moe_wgmma.cu reads x by TMA, which cannot gather rows): xs[i] =
+// x[sorted[i] / topk] for the *count routed slots; rows past them (slots of other ranks' experts)
+// are zero in xs and in the act buffer, so that the tiles reaching past the last expert's rows
+// read zeros, not stale memory (their products are never stored). Also clears the down GEMM's
+// atomic accumulator (one launch less).
+struct GatherParams {
+    const uint8_t* x;
+    int64_t ldx_bytes;
+    const int* sorted;
+    const int* count;  // route kernel: [1] = routed slots
+    uint8_t *xs, *act;
+    float4* zero;        // the down GEMM's atomic accumulator (or null), cleared here
+    int64_t zero_count;  // float4 units
+    int S, topk, row16, act16;  // row16 / act16: 16-byte chunks per row of xs / act
+};
+
+__global__ void __launch_bounds__(256) moe_gather_kernel(const GatherParams p) {
+    const int count = *p.count;
+    const int64_t stride = int64_t{gridDim.x} * 256;
+    const int64_t units = int64_t{p.S} * p.row16;
+    for (int64_t u = blockIdx.x * int64_t{256} + threadIdx.x; u < units; u += stride) {
+        const int i = static_cast<int>(u / p.row16), c = static_cast<int>(u % p.row16);
+        uint4 v = make_uint4(0u, 0u, 0u, 0u);
+        if (i < count)
+            v = *reinterpret_cast<const uint4*>(p.x + int64_t{p.sorted[i] / p.topk} * p.ldx_bytes + c * 16);
+        *reinterpret_cast<uint4*>(p.xs + u * 16) = v;
+    }
+    const int64_t zero_units = int64_t{p.S - count} * p.act16;
+    for (int64_t u = blockIdx.x * int64_t{256} + threadIdx.x; u < zero_units; u += stride)
+        *reinterpret_cast<uint4*>(p.act + (int64_t{count} * p.act16 + u) * 16) = make_uint4(0u, 0u, 0u, 0u);
+    for (int64_t u = blockIdx.x * int64_t{256} + threadIdx.x; u < p.zero_count; u += stride)
+        p.zero[u] = make_float4(0.f, 0.f, 0.f, 0.f);
 }
 
 // gate_up split-K through the workspace (no clusters): sum the splits, then the activation.
@@ -587,6 +600,46 @@ double expected_tiles(const Call& c, int tm, int64_t max_tiles, double local_fra
     return std::min<double>(max_tiles, std::max(active, slots / tm + 0.5 * active));
 }
 
+Routing routing(const Call& c) {
+    Routing rt{};
+    if (c.ids.scalar_type() == at::kLong) rt.ids64 = c.ids.data_ptr<int64_t>();
+    else rt.ids32 = c.ids.data_ptr<int32_t>();
+    rt.emap = c.emap.defined() ? c.emap.data_ptr<int32_t>() : nullptr;
+    rt.emap_n = c.emap.defined() ? static_cast<int>(c.emap.numel()) : 0;
+    rt.S = static_cast<int>(c.S), rt.topk = static_cast<int>(c.topk), rt.E = static_cast<int>(c.E);
+    return rt;
+}
+
+// Does the down GEMM add w[t, j] * row into an fp32 [T, H] accumulator with atomics (else
+// per-slot fp32 rows and an ordered combine)? Atomics let the split-K partials go straight into
+// the accumulator (no cluster/workspace reduction, no per-slot rows): at decode sizes that saves a
+// reduction step on a latency-bound chain (H100, Qwen3-30B-A3B k=4, T=1: 24.3 vs 29.5 us,
+// moe_env_h100_s5.txt), at large T half the output traffic. The order of the fp32 adds varies
+// from run to run; KBIT_MOE_DETERMINISTIC=1 keeps the per-slot rows (bit-reproducible).
+bool use_atomic(const Call& c) {
+    const bool deterministic = env_int("KBIT_MOE_DETERMINISTIC", 0) != 0;
+    return env_int("KBIT_MOE_ATOMIC", 0) != 0 ||
+           (!deterministic && (c.T <= kAtomicMaxT || c.S * c.H * 4 > kSlotsMaxBytes));
+}
+
+// The routing kernel into buf (allocated here): sorted slots, the tile list, [num tiles, routed
+// slots].
+RouteParams route(const Call& c, const Routing& rt, int tile_m, int64_t max_tiles, bool pdl,
+                  at::Tensor& buf) {
+    const int64_t sorted_n = ceil_div(c.S, 4) * 4;
+    buf = at::empty({sorted_n + 4 * max_tiles + 4}, c.x.options().dtype(at::kInt));
+    int* base = buf.data_ptr<int32_t>();
+    RouteParams rp{};
+    rp.rt = rt;
+    rp.sorted = base;
+    rp.tiles = reinterpret_cast<int4*>(base + sorted_n);
+    rp.num_tiles = base + sorted_n + 4 * max_tiles;
+    rp.tile_m = tile_m;
+    launch_kernel(moe_route_kernel, dim3(1), kRouteThreads, static_cast<int>(2 * c.E * 4),
+                  c10::cuda::getCurrentCUDAStream(), 1, pdl, rp);
+    return rp;
+}
+
 template <int BITS, int TM, bool BF16>
 void run_moe(const Call& c) {
     const int dev = c.x.get_device();
@@ -594,19 +647,13 @@ void run_moe(const Call& c) {
     const bool pdl = cfg.sm90 && pdl_enabled();
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
     const auto opts = c.x.options();
-    const int S = static_cast<int>(c.S);
     const double local_frac =
         c.emap.defined() ? std::min(1.0, double(c.E) / std::max<int64_t>(1, c.emap.numel())) : 1.0;
     const int64_t max_tiles = std::min<int64_t>(c.E, c.S) + c.S / TM;
     const double est_tiles = expected_tiles(c, TM, max_tiles, local_frac);
     const int64_t slots_gpu = int64_t{cfg.sms} * cfg.ctas_per_sm;
 
-    Routing rt{};
-    if (c.ids.scalar_type() == at::kLong) rt.ids64 = c.ids.data_ptr<int64_t>();
-    else rt.ids32 = c.ids.data_ptr<int32_t>();
-    rt.emap = c.emap.defined() ? c.emap.data_ptr<int32_t>() : nullptr;
-    rt.emap_n = c.emap.defined() ? static_cast<int>(c.emap.numel()) : 0;
-    rt.S = S, rt.topk = static_cast<int>(c.topk), rt.E = static_cast<int>(c.E);
+    Routing rt = routing(c);
 
     // Route inside the GEMM CTAs when the slots fit one per thread and the histogram fits the
     // ring; else one routing CTA.
@@ -616,17 +663,7 @@ void run_moe(const Call& c) {
                       ", TM = ", TM, ")");
     at::Tensor route_buf;
     if (!small) {
-        const int64_t sorted_n = ceil_div(c.S, 4) * 4;
-        route_buf = at::empty({sorted_n + 4 * max_tiles + 4}, opts.dtype(at::kInt));
-        int* base = route_buf.data_ptr<int32_t>();
-        RouteParams rp{};
-        rp.rt = rt;
-        rp.sorted = base;
-        rp.tiles = reinterpret_cast<int4*>(base + sorted_n);
-        rp.num_tiles = base + sorted_n + 4 * max_tiles;
-        rp.tile_m = TM;
-        launch_kernel(moe_route_kernel, dim3(1), kRouteThreads, static_cast<int>(2 * c.E * 4), stream, 1,
-               pdl, rp);
+        const RouteParams rp = route(c, rt, TM, max_tiles, pdl, route_buf);
         rt.sorted = rp.sorted, rt.tiles = rp.tiles, rt.num_tiles = rp.num_tiles;
     }
 
@@ -653,14 +690,7 @@ void run_moe(const Call& c) {
     const int g2 = static_cast<int>(ceil_div(c.s2.n_tiles, kGroupTiles));
     int kchunk2 = 0;
     const int splits2 = plan_splits(g2, static_cast<int>(c.s2.k_tiles), kchunk2);
-    // Atomics let the down GEMM's split-K partials go straight into the fp32 [T, H] accumulator
-    // (no cluster/workspace reduction, no per-slot rows): at decode sizes that saves a reduction
-    // step on a latency-bound chain (H100, Qwen3-30B-A3B k=4, T=1: 24.3 vs 29.5 us,
-    // moe_env_h100_s5.txt), at large T half the output traffic. The order of the fp32 adds
-    // varies from run to run; KBIT_MOE_DETERMINISTIC=1 keeps the per-slot rows (bit-reproducible).
-    const bool deterministic = env_int("KBIT_MOE_DETERMINISTIC", 0) != 0;
-    const bool atomic = env_int("KBIT_MOE_ATOMIC", 0) != 0 ||
-                        (!deterministic && (c.T <= kAtomicMaxT || c.S * c.H * 4 > kSlotsMaxBytes));
+    const bool atomic = use_atomic(c);
     const int mode2 = atomic || splits2 == 1 ? kDirect : cluster_ok ? kCluster : kWorkspace;
     at::Tensor rows2 = at::empty({atomic ? c.T * c.H : (mode2 == kWorkspace ? splits2 : 1) * c.S * c.H},
                                  opts.dtype(at::kFloat));
@@ -752,6 +782,81 @@ void run_bits(int tm, const Call& c) {
         case 32: go(std::integral_constant<int, 32>{}); break;
         default: go(std::integral_constant<int, 64>{}); break;
     }
+}
+
+// Many slots per expert on sm_90 (moe_wgmma.cu): route into tiles of tn slots, gather the slots'
+// x rows in expert order, gate_up (+ activation) and down as grouped wgmma GEMMs, combine.
+void run_moe_wgmma(const Call& c, int64_t bits, int tn) {
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+    const auto opts = c.x.options();
+    int sms = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, c.x.get_device()));
+    const Routing rt = routing(c);
+    const int64_t max_tiles = std::min<int64_t>(c.E, c.S) + c.S / tn;
+    TORCH_CHECK_VALUE(max_tiles <= 65535, "kbit::moe: too many token tiles (T * topk = ", c.S,
+                      ", tile = ", tn, ")");
+    at::Tensor route_buf;
+    const RouteParams rp = route(c, rt, tn, max_tiles, false, route_buf);
+
+    at::Tensor xs = at::empty({c.S, c.H}, opts), act = at::empty({c.S, c.I}, opts);
+    const bool atomic = use_atomic(c);
+    at::Tensor rows2 = at::empty({atomic ? c.T : c.S, c.H}, opts.dtype(at::kFloat));
+    {
+        GatherParams gp{};
+        gp.x = static_cast<const uint8_t*>(c.x.data_ptr());
+        gp.ldx_bytes = c.T == 1 ? 0 : c.x.stride(0) * 2;
+        gp.sorted = rp.sorted, gp.count = rp.num_tiles + 1;
+        gp.xs = static_cast<uint8_t*>(xs.data_ptr()), gp.act = static_cast<uint8_t*>(act.data_ptr());
+        gp.S = static_cast<int>(c.S), gp.topk = static_cast<int>(c.topk);
+        gp.row16 = static_cast<int>(c.H / 8), gp.act16 = static_cast<int>(c.I / 8);
+        gp.zero = atomic ? reinterpret_cast<float4*>(rows2.data_ptr<float>()) : nullptr;
+        gp.zero_count = atomic ? c.T * c.H / 4 : 0;
+        const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(c.S * c.H / 8, 256), int64_t{sms} * 8));
+        moe_gather_kernel<<<blocks, 256, 0, stream>>>(gp);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+    MoeWgGemm g{};
+    g.codebook = c.cb, g.bits = bits;
+    g.tiles = rp.tiles, g.num_tiles = rp.num_tiles, g.max_tiles = max_tiles, g.sorted = rp.sorted;
+    g.topk_w = c.tw.data_ptr<float>();
+    g.topk = static_cast<int>(c.topk), g.act = c.act, g.tn = tn;
+    g.weight_on_input = c.weight_on_input, g.atomic = atomic;
+    MoeWgGemm g1 = g;  // gate_up + activation: xs [S, H] -> act [S, I]
+    g1.x = xs, g1.qweight = c.w13q, g1.absmax = c.w13a, g1.n = c.I, g1.gate_up = true;
+    g1.out = act.data_ptr();
+    moe_wgmma_gemm(g1);
+    MoeWgGemm g2 = g;  // down: act [S, I] -> rows2
+    g2.x = act, g2.qweight = c.w2q, g2.absmax = c.w2a, g2.n = c.H, g2.gate_up = false;
+    g2.out = rows2.data_ptr();
+    moe_wgmma_gemm(g2);
+
+    CombineParams p{};
+    p.rt = rt;
+    p.rows = rows2.data_ptr<float>();
+    p.topk_w = g.topk_w;
+    p.out = c.y.data_ptr();
+    p.T = static_cast<int>(c.T), p.H = static_cast<int>(c.H);
+    p.splits = 1;
+    p.out_mode = atomic ? kAtomic : kSlots;
+    p.weight_on_input = c.weight_on_input;
+    const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(c.T * c.H / 4, 256), int64_t{sms} * 2));
+    launch_kernel(c.bf16 ? moe_combine_kernel<true> : moe_combine_kernel<false>, dim3(blocks), 256, 0,
+                  stream, 1, false, p);
+}
+
+// The wgmma path's token tile for this call, or 0 when the call does not take that path.
+// KBIT_MOE_WGMMA=0 never takes it, =1 always (where usable); KBIT_MOE_WG_TN=128/256 fixes the
+// tile. Default, from the H100 crossovers at k = 4 (bench_moe_h100_s11_tn*.md, s11d_*.md): from
+// kWgMinSlots slots per local expert on (uniform routing; below, the mma.sync grouped kernels
+// win: Qwen3-30B-A3B T = 256, 16 per expert: 226 vs 461 us), tiles of 128 slots x 256 rows up
+// to 192 per expert (Qwen3 T = 1024 / 2048: 426 / 670 us vs 621 / 693 with 256 slots), 256
+// slots x 128 rows above (Qwen3 T = 4096: 1082 vs 1158 us; Mixtral T = 1024: 1728 vs 1948).
+int wgmma_tile(const Call& c, double per_expert) {
+    if (!moe_wgmma_usable(c.x)) return 0;
+    const int mode = env_int("KBIT_MOE_WGMMA", -1);
+    if (mode == 0 || (mode < 0 && per_expert < kWgMinSlots)) return 0;
+    const int forced = env_int("KBIT_MOE_WG_TN", 0);
+    return forced > 0 ? (forced <= 128 ? 128 : 256) : per_expert < 192 ? 128 : 256;
 }
 
 void check_experts(const at::Tensor& q, const at::Tensor& a, int64_t E, const TiledShape& s,
@@ -871,6 +976,10 @@ at::Tensor moe(const at::Tensor& x_in, const at::Tensor& w13_qweight, const at::
     const double local_frac =
         c.emap.defined() ? std::min(1.0, double(E) / std::max<int64_t>(1, c.emap.numel())) : 1.0;
     const double per_expert = c.S * local_frac / E;
+    if (const int tn = wgmma_tile(c, per_expert); tn > 0) {
+        run_moe_wgmma(c, bits, tn);
+        return y;
+    }
     int tm = per_expert <= 6 ? 8 : per_expert <= 14 ? 16 : per_expert <= 28 ? 32 : 64;
     if (const int f = env_int("KBIT_MOE_TM", 0); f > 0) tm = f <= 8 ? 8 : f <= 16 ? 16 : f <= 32 ? 32 : 64;
     switch (bits) {

@@ -53,5 +53,24 @@ void moe_gemv(const at::Tensor& x, at::Tensor& y, const at::Tensor& ids, const a
               const at::Tensor& emap, const at::Tensor& w13q, const at::Tensor& w13a,
               const at::Tensor& w2q, const at::Tensor& w2a, const at::Tensor& codebook,
               int64_t bits, int64_t I, int act, bool weight_on_input);
+// moe_wgmma.cu: kbit::moe's many-tokens path on sm_90 (moe.cu routes, gathers and combines):
+// one grouped GEMM over the slots' rows in expert order, through the warp-specialized wgmma
+// kernel. moe_wgmma_usable: the build has sm_90a code and x's GPU is an sm_90.
+struct MoeWgGemm {
+    at::Tensor x;  // [rows, K] contiguous: gate_up = the slots' x rows, down = act rows
+    const at::Tensor *qweight, *absmax, *codebook;  // [E, words], [E, absmax bytes], [2^bits]
+    int64_t bits, n;       // n: I (gate_up: act columns) or H (down)
+    bool gate_up;
+    const void* tiles;     // int4 [max_tiles] {expert, first row, rows <= tn, 0}
+    const int* num_tiles;  // [1], device
+    int64_t max_tiles;
+    const int* sorted;     // row -> slot
+    const float* topk_w;   // [S]
+    int topk, act, tn;     // tn: x rows (slots) per tile: 128 (256 weight rows per CTA) or 256
+    bool weight_on_input, atomic;
+    void* out;  // gate_up: act [rows, I] x.dtype; down: fp32 [T, H] (atomic) or [S, H]
+};
+bool moe_wgmma_usable(const at::Tensor& x);
+void moe_wgmma_gemm(const MoeWgGemm& g);
 
 }  // namespace kbit

@@ -8,7 +8,8 @@ one-ulp floor), for every k, fp16/bf16, every activation, E in {8, 16, 128, 512}
 {1, 2, 8}, T from 1 to 8192, uneven and empty expert loads, expert_map with -1, every kernel
 path (in-CTA routing / routing kernel, split-K cluster / workspace, per-slot rows / atomics,
 token tiles 8..64, with and without programmatic dependent launch; the GEMV decode path of
-csrc/moe_gemv.cu for few slots, including its split-K plans), and under CUDA-graph replay.
+csrc/moe_gemv.cu for few slots, including its split-K plans; on sm_90 the grouped wgmma path of
+csrc/moe_wgmma.cu for many slots per expert, every token tile), and under CUDA-graph replay.
 When vLLM is importable, its bf16 ``fused_experts`` on the dequantized weights is checked the
 same way.
 
@@ -40,7 +41,7 @@ ACTS = {
 }
 ENV_VARS = ("KBIT_MOE_TM", "KBIT_MOE_SPLITS", "KBIT_MOE_NO_CLUSTER", "KBIT_MOE_NO_PDL",
             "KBIT_MOE_ROUTE_KERNEL", "KBIT_MOE_ATOMIC", "KBIT_MOE_DETERMINISTIC",
-            "KBIT_MOE_GEMV_MAX_SLOTS")  # fmt: skip
+            "KBIT_MOE_GEMV_MAX_SLOTS", "KBIT_MOE_WGMMA", "KBIT_MOE_WG_TN")  # fmt: skip
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -262,6 +263,7 @@ def test_router_weight_on_input(dtype: torch.dtype) -> None:
 ])  # fmt: skip
 def test_kernel_paths(monkeypatch, env: dict[str, str]) -> None:
     monkeypatch.setenv("KBIT_MOE_GEMV_MAX_SLOTS", "0")  # the grouped kernels at every T
+    monkeypatch.setenv("KBIT_MOE_WGMMA", "0")  # the mma.sync ones (csrc/moe.cu)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     for t in [1, 3, 20, 200]:
@@ -525,3 +527,143 @@ def test_bad_inputs() -> None:
         call(on_input=True)
     with pytest.raises(errors, match="CUDA|device"):
         call(x=x.cpu())
+
+
+# ------------------------------------------------------------------ grouped wgmma path (sm_90)
+# csrc/moe_wgmma.cu: taken by default from 64 slots per local expert on sm_90a builds on sm_90
+# GPUs (so the large-T tests above run it there); KBIT_MOE_WGMMA=1 forces it at any T.
+
+
+def _wgmma_moe() -> bool:
+    import vllm_kbit._C as C  # the _kernels fixture has loaded it
+
+    return getattr(C, "sm90a", 0) == 1 and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.fixture
+def wgmma(monkeypatch):
+    if not _wgmma_moe():
+        pytest.skip("needs a build with sm_90a code on an sm_90 GPU")
+    monkeypatch.setenv("KBIT_MOE_WGMMA", "1")
+    monkeypatch.setenv("KBIT_MOE_GEMV_MAX_SLOTS", "0")
+
+
+WG_TNS = ["128", "256"]  # KBIT_MOE_WG_TN: 128 slots x 256 weight rows, 256 slots x 128 rows
+
+
+def _set_tile(monkeypatch, tn: str) -> None:
+    monkeypatch.setenv("KBIT_MOE_WG_TN", tn)
+
+
+@pytest.mark.parametrize("tn", WG_TNS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", [2, 3, 4, 5])
+def test_wgmma_all_bits(wgmma, monkeypatch, bits: int, dtype: torch.dtype, tn: str) -> None:
+    # I = 96: 6 gate tiles, a CTA takes 4 (+ the 4 matching up tiles): a partial row group;
+    # H = 160: a partial k-tile in both GEMMs' K (gate_up K = H, down n = H)
+    _set_tile(monkeypatch, tn)
+    for t in [1, 37, 300, 1000]:
+        _run_check(t, 8, 2, 160, 96, bits, dtype)
+
+
+@pytest.mark.parametrize("det", ["0", "1"])
+def test_wgmma_qwen_like_skewed(wgmma, monkeypatch, det: str) -> None:
+    # 128 experts top-8 with a skewed router: experts with 0, 1 and several tiles of slots;
+    # per-slot rows (deterministic) and the atomic accumulator
+    monkeypatch.setenv("KBIT_MOE_DETERMINISTIC", det)
+    monkeypatch.setenv("KBIT_MOE_ATOMIC", "0" if det == "1" else "1")
+    for t in [5, 200, 2048]:
+        _run_check(t, 128, 8, 256, 128, 4, torch.bfloat16, skew=4.0)
+
+
+@pytest.mark.parametrize("act", list(ACTS))
+def test_wgmma_activations_and_weight_on_input(wgmma, act: str) -> None:
+    for t in [3, 300]:
+        _run_check(t, 16, 1, 128, 64, 3, torch.float16, act=act)
+        _run_check(t, 8, 1, 128, 64, 4, torch.bfloat16, act=act, on_input=True)
+
+
+@pytest.mark.parametrize("tn", WG_TNS)
+def test_wgmma_expert_map_bad_ids_and_int64(wgmma, monkeypatch, tn: str) -> None:
+    # EP: half the slots belong to other ranks (rows past the routed count are zero-filled);
+    # ids outside the map and int64 ids
+    _set_tile(monkeypatch, tn)
+    e_local, e_global = 16, 32
+    emap = torch.full((e_global,), -1, dtype=torch.int32, device="cuda")
+    emap[1::2] = torch.arange(e_local, dtype=torch.int32, device="cuda")
+    for t in [7, 1000]:
+        _run_check(t, e_local, 4, 128, 64, 4, torch.bfloat16, emap=emap, e_global=e_global)
+    _run_check(700, 16, 4, 128, 64, 2, torch.float16, ids_dtype=torch.int64, skew=6.0)
+    ex = _experts(16, 128, 64, 4)
+    x = _x(4, 128, torch.float16)
+    tw = torch.rand(4, 2, device="cuda")
+    ids = torch.tensor([[0, 99], [-1, 3], [2, 3], [16, 1]], dtype=torch.int32, device="cuda")
+    _check(_moe(x, ex, tw, ids, None, 4), x, ex[5], ex[6], tw, ids, None, "silu", False)
+    y = _moe(x, ex, tw, ids, torch.full((16,), -1, dtype=torch.int32, device="cuda"), 4)
+    assert bool((y == 0).all())  # no local expert at all
+
+
+@pytest.mark.parametrize("e,topk,h,i,bits,ts", [
+    (128, 8, 2048, 768, 4, [64, 1024, 4096]),   # Qwen3-30B-A3B
+    (8, 2, 4096, 14336, 4, [512]),             # Mixtral-8x7B
+    (512, 8, 2048, 512, 2, [4096]),            # the 512-expert shape
+])  # fmt: skip
+def test_wgmma_real_shapes_default_rule(monkeypatch, e, topk, h, i, bits, ts) -> None:
+    # the default rule (no forcing): these take the wgmma path on sm_90 (>= 64 slots per expert)
+    if not _wgmma_moe():
+        pytest.skip("needs a build with sm_90a code on an sm_90 GPU")
+    for t in ts:
+        _run_check(t, e, topk, h, i, bits, torch.bfloat16)
+    _experts.cache_clear()
+
+
+def test_wgmma_agrees_with_grouped_and_repeats(wgmma, monkeypatch) -> None:
+    monkeypatch.setenv("KBIT_MOE_DETERMINISTIC", "1")
+    e, h, i, bits = 16, 512, 256, 4
+    ex = _experts(e, h, i, bits)
+    tw, ids = _routing(600, e, 2, 11)
+    x = _x(600, h, torch.bfloat16)
+    y = _moe(x, ex, tw, ids, None, bits)
+    assert torch.equal(_moe(x, ex, tw, ids, None, bits), y)  # per-slot rows: bit-reproducible
+    monkeypatch.setenv("KBIT_MOE_WGMMA", "0")
+    y_grouped = _moe(x, ex, tw, ids, None, bits)
+    torch.testing.assert_close(y, y_grouped, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("det", ["0", "1"])
+def test_wgmma_cuda_graph_replay(wgmma, monkeypatch, det: str) -> None:
+    monkeypatch.setenv("KBIT_MOE_DETERMINISTIC", det)
+    monkeypatch.setenv("KBIT_MOE_ATOMIC", "0" if det == "1" else "1")
+    e, h, i, bits, t = 32, 512, 256, 4, 300
+    ex = _experts(e, h, i, bits)
+    tw, ids = _routing(t, e, 4, 0)
+    x = _x(t, h, torch.bfloat16)
+    graph, y_static = capture(lambda: _moe(x, ex, tw, ids, None, bits))
+    for seed in [5, 6, 7]:  # new tokens and routing (other tile lists) in the same buffers
+        tw2, ids2 = _routing(t, e, 4, seed, skew=float(seed - 4))
+        x.copy_(_x(t, h, torch.bfloat16, seed=seed))
+        tw.copy_(tw2)
+        ids.copy_(ids2)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = _moe(x, ex, tw, ids, None, bits)
+        if det == "1":
+            assert torch.equal(y_static, eager)
+        else:
+            torch.testing.assert_close(y_static, eager, rtol=1e-2, atol=1e-2)
+        _check(y_static, x, ex[5], ex[6], tw, ids, None, "silu", False)
+
+
+def test_wgmma_strided_x(wgmma) -> None:
+    e, h, i, bits, t = 8, 128, 64, 4, 200
+    ex = _experts(e, h, i, bits)
+    tw, ids = _routing(t, e, 2, 3)
+    x = _x(t, h, torch.float16)
+    y = _moe(x, ex, tw, ids, None, bits)
+    _check(y, x, ex[5], ex[6], tw, ids, None, "silu", False)
+    wide = torch.zeros(t, h + 64, dtype=x.dtype, device="cuda")
+    wide[:, :h] = x
+    shifted = torch.zeros(t, h + 1, dtype=x.dtype, device="cuda")
+    shifted[:, 1:] = x
+    for view in [wide[:, :h], shifted[:, 1:]]:
+        torch.testing.assert_close(_moe(view, ex, tw, ids, None, bits), y, rtol=1e-2, atol=1e-2)

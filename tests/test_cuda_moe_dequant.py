@@ -146,6 +146,7 @@ def test_forced_threshold_small_t(monkeypatch, shape: str) -> None:
     monkeypatch.setitem(moe_dispatch.GROUPED_GEMMS, "cuda", counting)
     monkeypatch.setattr(moe_dispatch, "DEQUANT_MIN_M", 0)
     monkeypatch.setattr(moe_dispatch, "DEQUANT_MIN_TPE", 0)
+    monkeypatch.setenv("KBIT_MOE_WGMMA", "0")  # as on GPUs without kbit::moe's wgmma path
     for t in [1, 5, 64]:
         tw, ids = _routing(t, e, topk, seed=t)
         x = _x(t, h, torch.float16, seed=t)
@@ -156,10 +157,17 @@ def test_forced_threshold_small_t(monkeypatch, shape: str) -> None:
         _vs_kernel_and_oracle(y, x, ex, tw, ids, None, bits)
 
 
-def test_default_dispatch(monkeypatch) -> None:
+@pytest.mark.parametrize("wgmma", ["0", "default"])
+def test_default_dispatch(monkeypatch, wgmma: str) -> None:
     """Default thresholds (T >= 1024 and >= 256 tokens per expert): Qwen3-like routing takes
     the kernel at T = 3000 (187 per expert) and the dequant path at 4096; Mixtral-like takes
-    it at 1024 (256 per expert), not at 1023."""
+    it at 1024 (256 per expert), not at 1023. Where kbit::moe has its sm_90 wgmma path
+    (has_wgmma_moe, unless KBIT_MOE_WGMMA=0) the dequant path is never taken."""
+    if wgmma == "0":
+        monkeypatch.setenv("KBIT_MOE_WGMMA", "0")
+    else:
+        monkeypatch.delenv("KBIT_MOE_WGMMA", raising=False)
+    never = moe_dispatch.has_wgmma_moe(torch.device("cuda"))
     calls = []
 
     def counting(*args):
@@ -175,6 +183,7 @@ def test_default_dispatch(monkeypatch) -> None:
         x = _x(t, h, torch.bfloat16)
         calls.clear()
         y = kbit_moe(*_args(x, ex, tw, ids, None, 4))
+        dequant = dequant and not never
         assert bool(calls) == dequant, (shape, t)
         other = moe_dequant if not dequant else torch.ops.kbit.moe
         _close(y, other(*_args(x, ex, tw, ids, None, 4)), f"{shape} T={t}")

@@ -99,7 +99,8 @@ if getattr(_C, "sm90a", 0) == 1 and torch.cuda.get_device_capability() == (9, 0)
                         os.environ.pop(var)
     os.environ.pop("KBIT_MMA_WGMMA")
 
-# kbit::moe: the GEMV decode path, in-CTA routing and the routing kernel, cluster / workspace
+# kbit::moe: the GEMV decode path, in-CTA routing and the routing kernel, the wgmma path (sm_90),
+# cluster / workspace
 # split-K, per-slot rows and atomics, an expert map with -1, a partial column group (I = 96)
 # and k-tile (H = 160).
 # (skipped under KBIT_MOE_REFERENCE=1, where kbit::moe is the reference on CUDA)
@@ -126,7 +127,14 @@ if hasattr(K_OPS, "moe") and "moe" not in getattr(ops, "_cuda_reference_ops", ["
                                  (5, 2, {"KBIT_MOE_SPLITS": "2", "KBIT_MOE_NO_CLUSTER": "1",
                                          **det, **grouped}),
                                  (150, 2, {}), (40, 8, {"KBIT_MOE_ATOMIC": "1"}),
-                                 (64, 1, {"KBIT_MOE_TM": "64"})):
+                                 (64, 1, {"KBIT_MOE_TM": "64"}),
+                                 # the sm_90 grouped wgmma path (elsewhere: the grouped kernels),
+                                 # every token tile, per-slot rows and atomics
+                                 (3, 2, {"KBIT_MOE_WGMMA": "1", **grouped}),
+                                 (300, 2, {"KBIT_MOE_WGMMA": "1", "KBIT_MOE_WG_TN": "128", **det}),
+                                 (300, 4, {"KBIT_MOE_WGMMA": "1"}),
+                                 (600, 2, {"KBIT_MOE_WGMMA": "1", "KBIT_MOE_WG_TN": "256",
+                                           "KBIT_MOE_ATOMIC": "1"})):
                 for k, v in env.items():
                     os.environ[k] = v
                 x = torch.randn(t, H, device=dev, dtype=dtype)

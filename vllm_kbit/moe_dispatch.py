@@ -7,9 +7,11 @@ runs them (benchmarks/bench_moe.py times this same function). Same arguments and
   registers: for decode with few slots two GEMV launches over the routed experts
   (csrc/moe_gemv.cu), else the grouped MMA kernels (csrc/moe.cu). Decode and small prefills are
   bound by weight bandwidth there, so reading k + 0.25 bits per weight instead of 16 is the win.
-- many tokens per expert (``use_dequant``): ``moe_dequant`` dequantizes the local experts to
-  x.dtype with ``kbit::dequantize_tiled`` (in chunks of at most ``DEQUANT_MAX_BYTES``) and runs
-  vLLM's bf16/fp16 Triton ``fused_experts`` on them.
+- many tokens per expert (``use_dequant``), on GPUs other than sm_90: ``moe_dequant``
+  dequantizes the local experts to x.dtype with ``kbit::dequantize_tiled`` (in chunks of at most
+  ``DEQUANT_MAX_BYTES``) and runs vLLM's bf16/fp16 Triton ``fused_experts`` on them. On sm_90
+  with an sm_90a build (``has_wgmma_moe``) kbit::moe keeps these calls: its grouped wgmma path
+  (csrc/moe_wgmma.cu) dequantizes in registers and beats dequantize + fused_experts there.
 
 Settings: module constants read at import, each with an environment override:
   ``KBIT_MOE_DEQUANT_MIN_M`` (default 1024) and ``KBIT_MOE_DEQUANT_MIN_TPE`` (256): the dequant
@@ -25,6 +27,7 @@ for the batch sizes it captures.)
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 
@@ -114,6 +117,29 @@ def use_dequant(t: int, topk: int, n_global: int, min_m: int | None = None,
     return t > 0 and t >= min_m and t * topk >= min_tpe * n_global
 
 
+@functools.cache
+def _sm90a_build() -> bool:
+    try:
+        import vllm_kbit._C as C
+    except ImportError:
+        return False
+    return getattr(C, "sm90a", 0) == 1
+
+
+def has_wgmma_moe(device: torch.device) -> bool:
+    """Does kbit::moe run its grouped wgmma path (many slots per expert) on this device: a build
+    with sm_90a code, an sm_90 GPU, and not disabled with ``KBIT_MOE_WGMMA=0``?"""
+    if device.type != "cuda" or os.environ.get("KBIT_MOE_WGMMA", "").strip() == "0":
+        return False
+    return _sm90a_build() and torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def takes_dequant(x: torch.Tensor, topk: int, n_global: int) -> bool:
+    """Whether ``kbit_moe`` sends this call to the dequant path (given a grouped GEMM for x's
+    device): ``use_dequant`` for T = x.shape[0], except where kbit::moe has its wgmma path."""
+    return use_dequant(x.shape[0], topk, n_global) and not has_wgmma_moe(x.device)
+
+
 def expert_bytes(h: int, i: int, dtype: torch.dtype) -> int:
     """Bytes of one expert's dequantized weights (gate, up and down: 3 x [h, i]) in dtype."""
     return 3 * h * i * torch.empty(0, dtype=dtype).element_size()
@@ -194,12 +220,12 @@ def kbit_moe(x: torch.Tensor, w13_qweight: torch.Tensor, w13_absmax: torch.Tenso
              bits: int, inter_size: int, activation: str, apply_router_weight_on_input: bool, *,
              grouped_gemm: GroupedGemm | None = None) -> torch.Tensor:  # fmt: skip
     """The routed experts of one MoE layer (``torch.ops.kbit.moe``'s arguments and contract):
-    ``moe_dequant`` when ``use_dequant`` says so for this T and a grouped GEMM exists for x's
-    device (``grouped_gemm``, else GROUPED_GEMMS), the grouped kbit kernel otherwise."""
+    ``moe_dequant`` when ``takes_dequant`` says so for this T and a grouped GEMM exists for x's
+    device (``grouped_gemm``, else GROUPED_GEMMS), torch.ops.kbit.moe otherwise."""
     gemm = grouped_gemm or GROUPED_GEMMS.get(x.device.type)
     n_global = w13_qweight.shape[0] if expert_map is None else expert_map.numel()
     topk = topk_ids.shape[-1] if topk_ids.dim() else 1
-    if gemm is not None and use_dequant(x.shape[0], topk, n_global):
+    if gemm is not None and takes_dequant(x, topk, n_global):
         return moe_dequant(x, w13_qweight, w13_absmax, w2_qweight, w2_absmax, codebook,
                            topk_weights, topk_ids, expert_map, bits, inter_size, activation,
                            apply_router_weight_on_input, grouped_gemm=gemm)  # fmt: skip

@@ -1,0 +1,113 @@
+// SPDX-License-Identifier: Apache-2.0
+// kbit::moe's many-tokens-per-expert path on sm_90 (moe.cu decides, routes, gathers and
+// combines): the two grouped GEMMs as launches of the warp-specialized wgmma kernel
+// (wgmma_gemm.cuh, GM = kMoeGateUp / kMoeDown), one CTA per (row group, routing tile).
+//
+// Why: with hundreds of slots per expert the layer is compute bound, and the mma.sync grouped
+// kernel of moe.cu (TM <= 64 slots per tile, the dequantization repeated for every tile) runs
+// far below tensor-core peak: Qwen3-30B-A3B shape, H100, T = 4096: 1.85 ms, vs 0.92 ms for vLLM's
+// bf16 fused_experts (bench_moe_h100__s5_largem.md); dequantizing all experts first and running
+// fused_experts cost 1.47 ms. The wgmma kernel dequantizes each weight tile once per TN = 64..256
+// slots, in registers, while the tensor cores run asynchronously (dense M = 1024 on Llama-3.1-8B
+// shapes: ~590 TFLOPS, bench_linear_h100__s7_c2w.md).
+#include "wgmma_gemm.cuh"
+
+namespace kbit {
+namespace {
+
+#if defined(KBIT_SM90A)
+
+template <int BITS, int C, bool BF16, int GM>
+void run_group(const MoeWgGemm& g) {
+    constexpr int RWG = wg::config_rwg(C), TN = wg::config_tn(C);
+    using L = wg::StageLayout<BITS, RWG, TN>;
+    const WgConfig c = configure<BITS, RWG, TN, BF16, GM>(g.x.get_device());
+    const int64_t K = g.x.size(1);
+    const TiledShape s(GM == kMoeGateUp ? 2 * g.n : g.n, K, BITS);
+    WgParams p{};
+    p.xmap = x_tensor_map(g.x, TN);
+    p.qw = reinterpret_cast<const uint8_t*>(g.qweight->data_ptr<int32_t>());
+    p.am = g.absmax->data_ptr<uint8_t>();
+    p.cb = g.codebook->data_ptr<float>();
+    p.M = static_cast<int>(g.x.size(0)), p.n = static_cast<int>(g.n), p.K = static_cast<int>(K);
+    // gate_up: tiles are counted in gate tiles (I / 16); a CTA takes kTiles / 2 of them and
+    // the matching up tiles.
+    p.n_tiles = static_cast<int>(GM == kMoeGateUp ? s.n_tiles / 2 : s.n_tiles);
+    p.k_tiles = static_cast<int>(s.k_tiles);
+    p.kchunk = p.k_tiles, p.splits = 1, p.stages = c.stages, p.mode = kDirect;
+    p.copies_log2 = c.copies_log2, p.table_bytes = c.table_bytes;
+    WgMoe mo{};
+    mo.tiles = static_cast<const int4*>(g.tiles);
+    mo.num_tiles = g.num_tiles;
+    mo.sorted = g.sorted;
+    mo.qw_expert = s.words * 4, mo.am_expert = s.absmax_bytes;
+    mo.topk_w = g.topk_w;
+    mo.out = g.out;
+    mo.topk = g.topk, mo.weight_on_input = g.weight_on_input, mo.act = g.act;
+    mo.out_mode = g.atomic ? kMoeAtomic : kMoeRows;
+    const int per_cta = GM == kMoeGateUp ? L::kTiles / 2 : L::kTiles;
+    const unsigned groups = static_cast<unsigned>(ceil_div(p.n_tiles, per_cta));
+    launch_kernel(wgmma_gemm_kernel<BITS, RWG, TN, BF16, GM>,
+                  dim3(groups, 1, static_cast<unsigned>(g.max_tiles)), wg::kThreads, c.smem,
+                  c10::cuda::getCurrentCUDAStream(), 1, false, p, mo);
+}
+
+template <int BITS, int C>
+void run_config(const MoeWgGemm& g) {
+    const bool bf16 = g.x.scalar_type() == at::kBFloat16;
+    if (g.gate_up) bf16 ? run_group<BITS, C, true, kMoeGateUp>(g) : run_group<BITS, C, false, kMoeGateUp>(g);
+    else bf16 ? run_group<BITS, C, true, kMoeDown>(g) : run_group<BITS, C, false, kMoeDown>(g);
+}
+
+// Tile -> configuration: 256 weight rows x 128 slots (C3) or 128 rows x 256 slots (C2w; the
+// accumulators of 256 x 256 would not fit the registers). 128 x 128 (C2) was slower than C3 on
+// every shape measured (bench_moe_h100_s11d_{tn128,wide}.md).
+template <int BITS>
+void run_bits(const MoeWgGemm& g) {
+    if (g.tn == 256) run_config<BITS, wg::kC2w>(g);
+    else run_config<BITS, wg::kC3>(g);
+}
+
+#endif  // KBIT_SM90A
+
+}  // namespace
+
+bool moe_wgmma_usable(const at::Tensor& x) {
+#if defined(KBIT_SM90A)
+    static std::mutex mu;
+    static std::unordered_map<int, bool> cache;
+    const int dev = x.get_device();
+    const std::lock_guard<std::mutex> lock(mu);
+    auto it = cache.find(dev);
+    if (it == cache.end()) {
+        int major = 0, minor = 0;
+        C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+        C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+        it = cache.emplace(dev, major == 9 && minor == 0).first;
+    }
+    return it->second;
+#else
+    (void)x;
+    return false;
+#endif
+}
+
+void moe_wgmma_gemm(const MoeWgGemm& g) {
+#if defined(KBIT_SM90A)
+    TORCH_CHECK(g.tn == 128 || g.tn == 256, "kbit::moe: wgmma tile must be 128 or 256 slots, got ",
+                g.tn);
+    TORCH_CHECK(g.x.is_contiguous() && g.x.size(1) % kBlock == 0 && g.n % kBlock == 0,
+                "kbit::moe (wgmma): internal buffers must be contiguous with 32-multiple widths");
+    switch (g.bits) {
+        case 2: run_bits<2>(g); break;
+        case 3: run_bits<3>(g); break;
+        case 4: run_bits<4>(g); break;
+        default: run_bits<5>(g); break;
+    }
+#else
+    (void)g;
+    TORCH_CHECK(false, "kbit::moe: the wgmma path needs a build with sm_90a code");
+#endif
+}
+
+}  // namespace kbit
