@@ -640,6 +640,24 @@ RouteParams route(const Call& c, const Routing& rt, int tile_m, int64_t max_tile
     return rp;
 }
 
+// The combine kernel: y = sum over the top-k of the down rows (splits x [S, H] fp32 rows, or the
+// atomic [T, H] accumulator), rounded once.
+void launch_combine(const Call& c, const Routing& rt, const at::Tensor& rows, int splits, bool atomic,
+                    int64_t slots_gpu, bool pdl) {
+    CombineParams p{};
+    p.rt = rt;
+    p.rows = rows.data_ptr<float>();
+    p.topk_w = c.tw.data_ptr<float>();
+    p.out = c.y.data_ptr();
+    p.T = static_cast<int>(c.T), p.H = static_cast<int>(c.H);
+    p.splits = splits;
+    p.out_mode = atomic ? kAtomic : kSlots;
+    p.weight_on_input = c.weight_on_input;
+    const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(c.T * c.H / 4, 256), slots_gpu * 2));
+    launch_kernel(c.bf16 ? moe_combine_kernel<true> : moe_combine_kernel<false>, dim3(blocks), 256, 0,
+                  c10::cuda::getCurrentCUDAStream(), 1, pdl, p);
+}
+
 template <int BITS, int TM, bool BF16>
 void run_moe(const Call& c) {
     const int dev = c.x.get_device();
@@ -752,21 +770,7 @@ void run_moe(const Call& c) {
         launch_kernel(moe_gemm_kernel<BITS, TM, BF16>, dim3(g2, splits2, static_cast<unsigned>(max_tiles)), kThreads, cfg.smem,
                stream, mode2 == kCluster ? splits2 : 1, pdl && mode1 != kWorkspace, p);
     }
-    // combine.
-    {
-        CombineParams p{};
-        p.rt = rt;
-        p.rows = rows2.data_ptr<float>();
-        p.topk_w = base.topk_w;
-        p.out = c.y.data_ptr();
-        p.T = static_cast<int>(c.T), p.H = static_cast<int>(c.H);
-        p.splits = mode2 == kWorkspace ? splits2 : 1;
-        p.out_mode = atomic ? kAtomic : kSlots;
-        p.weight_on_input = c.weight_on_input;
-        const int64_t units = c.T * c.H / 4;
-        const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(units, 256), slots_gpu * 2));
-        launch_kernel(moe_combine_kernel<BF16>, dim3(blocks), 256, 0, stream, 1, pdl, p);
-    }
+    launch_combine(c, rt, rows2, mode2 == kWorkspace ? splits2 : 1, atomic, slots_gpu, pdl);
 }
 
 template <int BITS>
@@ -830,18 +834,7 @@ void run_moe_wgmma(const Call& c, int64_t bits, int tn) {
     g2.out = rows2.data_ptr();
     moe_wgmma_gemm(g2);
 
-    CombineParams p{};
-    p.rt = rt;
-    p.rows = rows2.data_ptr<float>();
-    p.topk_w = g.topk_w;
-    p.out = c.y.data_ptr();
-    p.T = static_cast<int>(c.T), p.H = static_cast<int>(c.H);
-    p.splits = 1;
-    p.out_mode = atomic ? kAtomic : kSlots;
-    p.weight_on_input = c.weight_on_input;
-    const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(c.T * c.H / 4, 256), int64_t{sms} * 2));
-    launch_kernel(c.bf16 ? moe_combine_kernel<true> : moe_combine_kernel<false>, dim3(blocks), 256, 0,
-                  stream, 1, false, p);
+    launch_combine(c, rt, rows2, 1, atomic, sms, false);
 }
 
 // The wgmma path's token tile for this call, or 0 when the call does not take that path.

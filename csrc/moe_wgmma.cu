@@ -74,18 +74,7 @@ void run_bits(const MoeWgGemm& g) {
 
 bool moe_wgmma_usable(const at::Tensor& x) {
 #if defined(KBIT_SM90A)
-    static std::mutex mu;
-    static std::unordered_map<int, bool> cache;
-    const int dev = x.get_device();
-    const std::lock_guard<std::mutex> lock(mu);
-    auto it = cache.find(dev);
-    if (it == cache.end()) {
-        int major = 0, minor = 0;
-        C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-        C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
-        it = cache.emplace(dev, major == 9 && minor == 0).first;
-    }
-    return it->second;
+    return is_sm90(x.get_device());
 #else
     (void)x;
     return false;

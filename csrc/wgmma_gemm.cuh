@@ -464,7 +464,7 @@ CUtensorMap x_tensor_map(const at::Tensor& x, int tn) {
 }
 
 // Is the GPU an sm_90 (the build's sm_90a code runs only there)? Cached per device.
-void check_sm90(int dev) {
+bool is_sm90(int dev) {
     static std::mutex mu;
     static std::unordered_map<int, bool> cache;
     const std::lock_guard<std::mutex> lock(mu);
@@ -475,8 +475,12 @@ void check_sm90(int dev) {
         C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
         it = cache.emplace(dev, major == 9 && minor == 0).first;
     }
-    TORCH_CHECK(it->second, "kbit::mma: KBIT_MMA_WGMMA=2 (the warp-specialized wgmma kernel) needs "
-                "an sm_90 GPU (H100/H200); device ", dev, " is not one");
+    return it->second;
+}
+
+void check_sm90(int dev) {
+    TORCH_CHECK(is_sm90(dev), "kbit::mma: KBIT_MMA_WGMMA=2 (the warp-specialized wgmma kernel) "
+                "needs an sm_90 GPU (H100/H200); device ", dev, " is not one");
 }
 
 #endif  // KBIT_SM90A

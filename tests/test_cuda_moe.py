@@ -442,23 +442,31 @@ def test_cuda_graph_replay_equals_eager(monkeypatch, t: int, env: dict[str, str]
     ex = _experts(e, h, i, bits)
     tw, ids = _routing(t, e, 4, 0)
     x = _x(t, h, torch.bfloat16)
+    # the grouped kernels' fp32 atomics (T <= 16 by default): the order of the adds varies;
+    # the GEMV path is deterministic
+    gemv = env.get("KBIT_MOE_GEMV_MAX_SLOTS") == "64"
+    atomic = "KBIT_MOE_ATOMIC" in env or (t <= 16 and "KBIT_MOE_DETERMINISTIC" not in env)
+    _replay_vs_eager(x, ex, tw, ids, bits, exact=gemv or not atomic)
+
+
+def _replay_vs_eager(x, ex, tw, ids, bits: int, exact: bool) -> None:
+    """Captures kbit::moe on these buffers, then replays it on new tokens and new routings
+    written into them: equal to eager calls (bit-exact if `exact`) and within the bound."""
+    t, h = x.shape
+    e, topk = ex[0].shape[0], ids.shape[1]
     graph, y_static = capture(lambda: _moe(x, ex, tw, ids, None, bits))
     for seed in [5, 6, 7]:  # new tokens and new routing in the same buffers
-        tw2, ids2 = _routing(t, e, 4, seed, skew=float(seed - 4))
+        tw2, ids2 = _routing(t, e, topk, seed, skew=float(seed - 4))
         x.copy_(_x(t, h, torch.bfloat16, seed=seed))
         tw.copy_(tw2)
         ids.copy_(ids2)
         graph.replay()
         torch.cuda.synchronize()
         eager = _moe(x, ex, tw, ids, None, bits)
-        # the grouped kernels' fp32 atomics (T <= 16 by default): the order of the adds varies;
-        # the GEMV path is deterministic
-        gemv = env.get("KBIT_MOE_GEMV_MAX_SLOTS") == "64"
-        atomic = "KBIT_MOE_ATOMIC" in env or (t <= 16 and "KBIT_MOE_DETERMINISTIC" not in env)
-        if atomic and not gemv:
-            torch.testing.assert_close(y_static, eager, rtol=1e-2, atol=1e-2)
-        else:
+        if exact:
             assert torch.equal(y_static, eager)
+        else:
+            torch.testing.assert_close(y_static, eager, rtol=1e-2, atol=1e-2)
         _check(y_static, x, ex[5], ex[6], tw, ids, None, "silu", False)
 
 
@@ -472,10 +480,14 @@ def test_empty_t() -> None:
     assert y.shape == (0, h) and y.dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("t,gemv_slots", [(24, "0"), (3, "64")])
-def test_strided_and_misaligned_x(monkeypatch, t: int, gemv_slots: str) -> None:
-    # T = 24: the grouped kernels (T > 16: per-slot rows, bit-reproducible); T = 3: the GEMV
-    monkeypatch.setenv("KBIT_MOE_GEMV_MAX_SLOTS", gemv_slots)
+@pytest.mark.parametrize("t,path", [(24, "grouped"), (3, "gemv"), (200, "wgmma")])
+def test_strided_and_misaligned_x(monkeypatch, t: int, path: str) -> None:
+    # T = 24: the grouped kernels (T > 16: per-slot rows, bit-reproducible); T = 3: the GEMV;
+    # T = 200: the sm_90 wgmma path (x gathered into a contiguous buffer; per-slot rows)
+    if path == "wgmma" and not _wgmma_moe():
+        pytest.skip("needs a build with sm_90a code on an sm_90 GPU")
+    monkeypatch.setenv("KBIT_MOE_GEMV_MAX_SLOTS", "64" if path == "gemv" else "0")
+    monkeypatch.setenv("KBIT_MOE_WGMMA", "1" if path == "wgmma" else "0")
     e, h, i, bits = 8, 128, 64, 4
     ex = _experts(e, h, i, bits)
     tw, ids = _routing(t, e, 2, 3)
@@ -638,32 +650,4 @@ def test_wgmma_cuda_graph_replay(wgmma, monkeypatch, det: str) -> None:
     ex = _experts(e, h, i, bits)
     tw, ids = _routing(t, e, 4, 0)
     x = _x(t, h, torch.bfloat16)
-    graph, y_static = capture(lambda: _moe(x, ex, tw, ids, None, bits))
-    for seed in [5, 6, 7]:  # new tokens and routing (other tile lists) in the same buffers
-        tw2, ids2 = _routing(t, e, 4, seed, skew=float(seed - 4))
-        x.copy_(_x(t, h, torch.bfloat16, seed=seed))
-        tw.copy_(tw2)
-        ids.copy_(ids2)
-        graph.replay()
-        torch.cuda.synchronize()
-        eager = _moe(x, ex, tw, ids, None, bits)
-        if det == "1":
-            assert torch.equal(y_static, eager)
-        else:
-            torch.testing.assert_close(y_static, eager, rtol=1e-2, atol=1e-2)
-        _check(y_static, x, ex[5], ex[6], tw, ids, None, "silu", False)
-
-
-def test_wgmma_strided_x(wgmma) -> None:
-    e, h, i, bits, t = 8, 128, 64, 4, 200
-    ex = _experts(e, h, i, bits)
-    tw, ids = _routing(t, e, 2, 3)
-    x = _x(t, h, torch.float16)
-    y = _moe(x, ex, tw, ids, None, bits)
-    _check(y, x, ex[5], ex[6], tw, ids, None, "silu", False)
-    wide = torch.zeros(t, h + 64, dtype=x.dtype, device="cuda")
-    wide[:, :h] = x
-    shifted = torch.zeros(t, h + 1, dtype=x.dtype, device="cuda")
-    shifted[:, 1:] = x
-    for view in [wide[:, :h], shifted[:, 1:]]:
-        torch.testing.assert_close(_moe(view, ex, tw, ids, None, bits), y, rtol=1e-2, atol=1e-2)
+    _replay_vs_eager(x, ex, tw, ids, bits, exact=det == "1")  # new routings: other tile lists
