@@ -839,9 +839,10 @@ void run_moe_wgmma(const Call& c, int64_t bits, int tn) {
 
 // The wgmma path's token tile for this call, or 0 when the call does not take that path.
 // KBIT_MOE_WGMMA=0 never takes it, =1 always (where usable); KBIT_MOE_WG_TN=128/256 fixes the
-// tile. Default, from the H100 crossovers at k = 4 (bench_moe_h100_s11_tn*.md, s11d_*.md): from
+// tile. Default, from the H100 crossovers at k = 4 (bench_moe_h100_s11.md, s11d_*.md): from
 // kWgMinSlots slots per local expert on (uniform routing; below, the mma.sync grouped kernels
-// win: Qwen3-30B-A3B T = 256, 16 per expert: 226 vs 461 us), tiles of 128 slots x 256 rows up
+// win: Qwen3-30B-A3B T = 256, 16 per expert: 223 vs 384 us; Mixtral T = 256, 64 per expert:
+// 1174 vs 756 us for the wgmma path), tiles of 128 slots x 256 rows up
 // to 192 per expert (Qwen3 T = 1024 / 2048: 426 / 670 us vs 621 / 693 with 256 slots), 256
 // slots x 128 rows above (Qwen3 T = 4096: 1082 vs 1158 us; Mixtral T = 1024: 1728 vs 1948).
 int wgmma_tile(const Call& c, double per_expert) {

@@ -199,7 +199,7 @@ __global__ void __launch_bounds__(wg::kThreads, 1)
     __shared__ __align__(8) uint64_t full_bar[wg::kMaxStages], empty_bar[wg::kMaxStages];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int nt0 = blockIdx.x * (GM == kMoeGateUp ? kHalf : L::kTiles);
-    int m0 = blockIdx.z * TN, m_rows = p.M - m0;
+    int m0 = blockIdx.z * TN, m_rows = 0;  // MoE: the tile's rows of x (dense: p.M - m0, below)
     const uint8_t *qw = p.qw, *am = p.am;
     if constexpr (GM != kDense) {  // this CTA's tile-list entry (the whole CTA exits together)
         if (static_cast<int>(blockIdx.z) >= *mo.num_tiles) return;
@@ -340,7 +340,7 @@ __global__ void __launch_bounds__(wg::kThreads, 1)
         }
     // Write-out in float4 units (4 rows of one token): coalesced along n.
     constexpr int kRowUnits = L::kRows / 4, kUnits = TN * kRowUnits;
-    const int ctid = tid - 128, n0 = nt0 * kTileN, m_valid = min(TN, GM == kDense ? p.M - m0 : m_rows);
+    const int ctid = tid - 128, n0 = nt0 * kTileN, m_valid = min(TN, GM == kDense ? p.M - m0 : m_rows);  // (dense: its measured code)
     if constexpr (GM != kDense) {
         wg::named_barrier(1, 256);
         moe_epilogue<BF16, GM, L::kRows, TN, L::kOutRow>(p, mo, out, ctid, n0, m0, m_valid);

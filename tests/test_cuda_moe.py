@@ -547,9 +547,9 @@ def test_bad_inputs() -> None:
 
 
 def _wgmma_moe() -> bool:
-    import vllm_kbit._C as C  # the _kernels fixture has loaded it
+    from vllm_kbit.moe_dispatch import has_wgmma_moe  # (KBIT_MOE_WGMMA is cleared by _clean_env)
 
-    return getattr(C, "sm90a", 0) == 1 and torch.cuda.get_device_capability() == (9, 0)
+    return has_wgmma_moe(torch.device("cuda"))
 
 
 @pytest.fixture

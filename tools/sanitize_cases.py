@@ -100,9 +100,8 @@ if getattr(_C, "sm90a", 0) == 1 and torch.cuda.get_device_capability() == (9, 0)
     os.environ.pop("KBIT_MMA_WGMMA")
 
 # kbit::moe: the GEMV decode path, in-CTA routing and the routing kernel, the wgmma path (sm_90),
-# cluster / workspace
-# split-K, per-slot rows and atomics, an expert map with -1, a partial column group (I = 96)
-# and k-tile (H = 160).
+# cluster / workspace split-K, per-slot rows and atomics, an expert map with -1, a partial
+# column group (I = 96) and k-tile (H = 160).
 # (skipped under KBIT_MOE_REFERENCE=1, where kbit::moe is the reference on CUDA)
 if hasattr(K_OPS, "moe") and "moe" not in getattr(ops, "_cuda_reference_ops", ["moe"]):
     from vllm_kbit import reference_moe
