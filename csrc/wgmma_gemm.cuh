@@ -150,7 +150,7 @@ __device__ __forceinline__ void moe_epilogue(const WgParams& p, const WgMoe& mo,
                                              int ctid, int n0, int m0, int m_valid) {
     // Per row of x: the output row and the factor, read once into shared memory. (Loaded per
     // float4 in the store loop, the dependent global load of sorted[] made the Qwen3-30B-A3B
-    // down GEMM at T = 4096 take 535 instead of 383 us on an H100: torch.profiler, session 11.)
+    // down GEMM at T = 4096 take 535 instead of 383 us on an H100: moe_profile_h100_s11.log.)
     __shared__ int s_row[TN];
     __shared__ float s_w[TN];
     for (int r = ctid; r < m_valid; r += 256) {
