@@ -424,16 +424,44 @@ __global__ void __launch_bounds__(kThreads, TM <= 32 ? 2 : 1) moe_gemm_kernel(co
         emit(u, [&](int off) { return *reinterpret_cast<const float4*>(out + off); });
 }
 
-// Single-CTA routing for T * topk > kSmallSlots: counting sort of the slots by local expert and
-// the tile list (TM slots per tile, experts in order). Within an expert the order of the slots
-// is arbitrary (shared-memory atomics); every row's result is independent of its position.
+// Routing for T * topk > kSmallSlots: counting sort of the slots by local expert and the tile
+// list (TM slots per tile, experts in order). Within an expert the order of the slots is
+// arbitrary (atomics); every row's result is independent of its position.
+//  * up to kRouteMultiMin slots: one CTA (moe_route_kernel);
+//  * above: chunks of kRouteChunk slots per CTA in two launches. moe_route_count adds each
+//    chunk's histogram into cnt[E] and the last CTA to finish scans it (offsets -> cur[E], the
+//    tile list); moe_route_scatter takes each chunk's range of every expert from cur[] with one
+//    atomic per (chunk, expert) and places the slots. One CTA spent 37.6 us on the 32768 slots of
+//    Qwen3-30B-A3B at T = 4096 (moe_profile_h100_s11.log), the loop over the slots being
+//    serial.
 struct RouteParams {
     Routing rt;
     int* sorted;
     int4* tiles;
     int* num_tiles;
     int tile_m;  // TM
+    int* cnt;    // multi-CTA: [E] histogram and [1] ticket (zeroed before), [E] cursors
 };
+
+// From the experts' slot counts (cnt, shared or global memory): the offsets (into cur) and the
+// tile list. Called by every thread of one CTA.
+__device__ void route_scan(const RouteParams& p, const int* cnt, int* cur, int* scan_ws) {
+    const int tid = threadIdx.x, E = p.rt.E, nthreads = blockDim.x;
+    const int per = (E + nthreads - 1) / nthreads, e0 = tid * per, e1 = min(E, e0 + per);
+    int n = 0, nt = 0;
+    for (int e = e0; e < e1; ++e) n += cnt[e], nt += (cnt[e] + p.tile_m - 1) / p.tile_m;
+    int total, total_tiles;
+    int off = block_exclusive_scan(n, scan_ws, total);
+    int toff = block_exclusive_scan(nt, scan_ws, total_tiles);
+    for (int e = e0; e < e1; ++e) {
+        const int c = cnt[e];
+        cur[e] = off;
+        for (int j = 0; j * p.tile_m < c; ++j)
+            p.tiles[toff++] = make_int4(e, off + j * p.tile_m, min(p.tile_m, c - j * p.tile_m), 0);
+        off += c;
+    }
+    if (tid == 0) p.num_tiles[0] = total_tiles, p.num_tiles[1] = total;  // [1]: routed slots
+}
 
 __global__ void __launch_bounds__(kRouteThreads) moe_route_kernel(const RouteParams p) {
     extern __shared__ int rsm[];  // cnt[E], cursor[E]
@@ -450,26 +478,69 @@ __global__ void __launch_bounds__(kRouteThreads) moe_route_kernel(const RoutePar
         if (e >= 0) atomicAdd(&cnt[e], 1);
     }
     __syncthreads();
-    const int per = (E + kRouteThreads - 1) / kRouteThreads, e0 = tid * per,
-              e1 = min(E, e0 + per);
-    int n = 0, nt = 0;
-    for (int e = e0; e < e1; ++e) n += cnt[e], nt += (cnt[e] + p.tile_m - 1) / p.tile_m;
-    int total, total_tiles;
-    int off = block_exclusive_scan(n, scan_ws, total);
-    int toff = block_exclusive_scan(nt, scan_ws, total_tiles);
-    for (int e = e0; e < e1; ++e) {
-        const int c = cnt[e];
-        cur[e] = off;
-        for (int j = 0; j * p.tile_m < c; ++j)
-            p.tiles[toff++] = make_int4(e, off + j * p.tile_m, min(p.tile_m, c - j * p.tile_m), 0);
-        off += c;
-    }
-    if (tid == 0) p.num_tiles[0] = total_tiles, p.num_tiles[1] = total;  // [1]: routed slots
+    route_scan(p, cnt, cur, scan_ws);
     __syncthreads();
     for (int s = tid; s < p.rt.S; s += kRouteThreads) {
         const int e = local_expert(p.rt, s);
         if (e >= 0) p.sorted[atomicAdd(&cur[e], 1)] = s;
     }
+}
+
+constexpr int kRouteChunkThreads = 256, kRouteChunkPer = 4;
+constexpr int kRouteChunk = kRouteChunkThreads * kRouteChunkPer;  // slots per CTA
+constexpr int kRouteMultiMin = 4 * kRouteChunk;  // fewer slots: one CTA (two launches cost more)
+
+// This thread's experts of the chunk (slot blockIdx.x * kRouteChunk + tid + j * threads) and
+// the chunk's histogram in shared memory h[E].
+__device__ __forceinline__ void route_chunk(const RouteParams& p, int* h, int (&e)[kRouteChunkPer]) {
+    const int tid = threadIdx.x;
+    for (int i = tid; i < p.rt.E; i += kRouteChunkThreads) h[i] = 0;
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < kRouteChunkPer; ++j) {
+        const int s = blockIdx.x * kRouteChunk + tid + j * kRouteChunkThreads;
+        e[j] = s < p.rt.S ? local_expert(p.rt, s) : -1;
+    }
+#pragma unroll
+    for (int j = 0; j < kRouteChunkPer; ++j)
+        if (e[j] >= 0) atomicAdd(&h[e[j]], 1);
+    __syncthreads();
+}
+
+__global__ void __launch_bounds__(kRouteChunkThreads) moe_route_count(const RouteParams p) {
+    extern __shared__ int h[];  // [E]
+    __shared__ int scan_ws[33];
+    __shared__ bool last;
+    pdl_wait();
+    pdl_trigger();
+    int e[kRouteChunkPer];
+    route_chunk(p, h, e);
+    for (int i = threadIdx.x; i < p.rt.E; i += kRouteChunkThreads)
+        if (h[i]) atomicAdd(&p.cnt[i], h[i]);
+    __threadfence();  // this CTA's counts before its ticket
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(&p.cnt[p.rt.E], 1) == static_cast<int>(gridDim.x) - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    for (int i = threadIdx.x; i < p.rt.E; i += kRouteChunkThreads) h[i] = __ldcg(&p.cnt[i]);
+    __syncthreads();
+    route_scan(p, h, p.cnt + p.rt.E + 1, scan_ws);
+}
+
+__global__ void __launch_bounds__(kRouteChunkThreads) moe_route_scatter(const RouteParams p) {
+    extern __shared__ int h[];  // [E] chunk histogram, then [E] the chunk's next position
+    pdl_wait();
+    pdl_trigger();
+    int e[kRouteChunkPer];
+    route_chunk(p, h, e);
+    for (int i = threadIdx.x; i < p.rt.E; i += kRouteChunkThreads)
+        if (h[i]) h[i] = atomicAdd(&p.cnt[p.rt.E + 1 + i], h[i]);
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < kRouteChunkPer; ++j)
+        if (e[j] >= 0)
+            p.sorted[atomicAdd(&h[e[j]], 1)] = blockIdx.x * kRouteChunk + threadIdx.x + j * kRouteChunkThreads;
 }
 
 // The wgmma path's inputs (moe_wgmma.cu reads x by TMA, which cannot gather rows): xs[i] =
@@ -627,7 +698,8 @@ bool use_atomic(const Call& c) {
 RouteParams route(const Call& c, const Routing& rt, int tile_m, int64_t max_tiles, bool pdl,
                   at::Tensor& buf) {
     const int64_t sorted_n = ceil_div(c.S, 4) * 4;
-    buf = at::empty({sorted_n + 4 * max_tiles + 4}, c.x.options().dtype(at::kInt));
+    const bool multi = c.S > kRouteMultiMin;
+    buf = at::empty({sorted_n + 4 * max_tiles + 4 + (multi ? 2 * c.E + 1 : 0)}, c.x.options().dtype(at::kInt));
     int* base = buf.data_ptr<int32_t>();
     RouteParams rp{};
     rp.rt = rt;
@@ -635,8 +707,17 @@ RouteParams route(const Call& c, const Routing& rt, int tile_m, int64_t max_tile
     rp.tiles = reinterpret_cast<int4*>(base + sorted_n);
     rp.num_tiles = base + sorted_n + 4 * max_tiles;
     rp.tile_m = tile_m;
-    launch_kernel(moe_route_kernel, dim3(1), kRouteThreads, static_cast<int>(2 * c.E * 4),
-                  c10::cuda::getCurrentCUDAStream(), 1, pdl, rp);
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+    if (!multi) {
+        launch_kernel(moe_route_kernel, dim3(1), kRouteThreads, static_cast<int>(2 * c.E * 4), stream, 1,
+                      pdl, rp);
+        return rp;
+    }
+    rp.cnt = rp.num_tiles + 4;
+    C10_CUDA_CHECK(cudaMemsetAsync(rp.cnt, 0, (c.E + 1) * 4, stream));  // counts and ticket
+    const dim3 grid(static_cast<unsigned>(ceil_div(c.S, kRouteChunk)));
+    launch_kernel(moe_route_count, grid, kRouteChunkThreads, static_cast<int>(c.E * 4), stream, 1, false, rp);
+    launch_kernel(moe_route_scatter, grid, kRouteChunkThreads, static_cast<int>(c.E * 4), stream, 1, pdl, rp);
     return rp;
 }
 
@@ -838,19 +919,25 @@ void run_moe_wgmma(const Call& c, int64_t bits, int tn) {
 }
 
 // The wgmma path's token tile for this call, or 0 when the call does not take that path.
-// KBIT_MOE_WGMMA=0 never takes it, =1 always (where usable); KBIT_MOE_WG_TN=128/256 fixes the
-// tile. Default, from the H100 crossovers at k = 4 (bench_moe_h100_s11.md, s11d_*.md): from
-// kWgMinSlots slots per local expert on (uniform routing; below, the mma.sync grouped kernels
-// win: Qwen3-30B-A3B T = 256, 16 per expert: 223 vs 384 us; Mixtral T = 256, 64 per expert:
-// 1174 vs 756 us for the wgmma path), tiles of 128 slots x 256 rows up
-// to 192 per expert (Qwen3 T = 1024 / 2048: 426 / 670 us vs 621 / 693 with 256 slots), 256
-// slots x 128 rows above (Qwen3 T = 4096: 1082 vs 1158 us; Mixtral T = 1024: 1728 vs 1948).
-int wgmma_tile(const Call& c, double per_expert) {
+// KBIT_MOE_WGMMA=0 never takes it, =1 always (where usable); KBIT_MOE_WG_TN fixes the tile:
+// <= 128 the narrow one, else the wide one (moe_wide_tile: 256 slots, 224 at k = 5). Default,
+// from the H100 crossovers at k = 4 (bench_moe_h100_s11.md, s11d_*.md): from kWgMinSlots slots
+// per local expert on (uniform routing; below, the mma.sync grouped kernels win: Qwen3-30B-A3B
+// T = 256, 16 per expert: 223 vs 384 us; Mixtral T = 256, 64 per expert: 1174 vs 756 us for the
+// wgmma path), tiles of 128 slots x 256 rows up to 192 per expert (Qwen3 T = 1024 / 2048: 426 /
+// 670 us vs 621 / 693 with 256 slots), the wide tile x 128 rows above (Qwen3 T = 4096: 1082 vs
+// 1158 us; Mixtral T = 1024: 1728 vs 1948).
+int wgmma_tile(const Call& c, int bits, double per_expert) {
     if (!moe_wgmma_usable(c.x)) return 0;
     const int mode = env_int("KBIT_MOE_WGMMA", -1);
     if (mode == 0 || (mode < 0 && per_expert < kWgMinSlots)) return 0;
     const int forced = env_int("KBIT_MOE_WG_TN", 0);
-    return forced > 0 ? (forced <= 128 ? 128 : 256) : per_expert < 192 ? 128 : 256;
+    if (forced > 0) return forced <= 128 ? 128 : moe_wide_tile(bits);
+    // k = 5's wide tile (224) wins clearly only with many slots per expert (H100, k = 5, kbit::moe
+    // alone, 128 vs 224: Mixtral T = 4096, 1024 per expert, 6211 vs 5617 us; Qwen3 T = 4096, 256
+    // per expert, 1146 vs 1176 us; Mixtral T = 1024, 256 per expert, 1994 vs 1900 us:
+    // bench_moe_h100_s12_k5_tn{128,224}.md).
+    return per_expert < (bits == 5 ? 384 : 192) ? 128 : moe_wide_tile(bits);
 }
 
 void check_experts(const at::Tensor& q, const at::Tensor& a, int64_t E, const TiledShape& s,
@@ -970,7 +1057,7 @@ at::Tensor moe(const at::Tensor& x_in, const at::Tensor& w13_qweight, const at::
     const double local_frac =
         c.emap.defined() ? std::min(1.0, double(E) / std::max<int64_t>(1, c.emap.numel())) : 1.0;
     const double per_expert = c.S * local_frac / E;
-    if (const int tn = wgmma_tile(c, per_expert); tn > 0) {
+    if (const int tn = wgmma_tile(c, bits, per_expert); tn > 0) {
         run_moe_wgmma(c, bits, tn);
         return y;
     }

@@ -37,6 +37,7 @@ void run_group(const MoeWgGemm& g) {
     p.kchunk = p.k_tiles, p.splits = 1, p.stages = c.stages, p.mode = kDirect;
     p.copies_log2 = c.copies_log2, p.table_bytes = c.table_bytes;
     WgMoe mo{};
+    mo.xmap_q = x_tensor_map(g.x, TN / 4);
     mo.tiles = static_cast<const int4*>(g.tiles);
     mo.num_tiles = g.num_tiles;
     mo.sorted = g.sorted;
@@ -61,11 +62,14 @@ void run_config(const MoeWgGemm& g) {
 
 // Tile -> configuration: 256 weight rows x 128 slots (C3) or 128 rows x 256 slots (C2w; the
 // accumulators of 256 x 256 would not fit the registers). 128 x 128 (C2) was slower than C3 on
-// every shape measured (bench_moe_h100_s11d_{tn128,wide}.md).
+// every shape measured (bench_moe_h100_s11d_{tn128,wide}.md). k = 5: 128 x 224 (C2n) instead of
+// C2w, whose 76.8 KB stages (64 KB of x, 10 KB of planes) fit shared memory twice only; at 224
+// slots three stages fit, as for C2w at k <= 4.
 template <int BITS>
 void run_bits(const MoeWgGemm& g) {
-    if (g.tn == 256) run_config<BITS, wg::kC2w>(g);
-    else run_config<BITS, wg::kC3>(g);
+    if (g.tn == 128) run_config<BITS, wg::kC3>(g);
+    else if constexpr (BITS == 5) run_config<BITS, wg::kC2n>(g);
+    else run_config<BITS, wg::kC2w>(g);
 }
 
 #endif  // KBIT_SM90A
@@ -83,8 +87,8 @@ bool moe_wgmma_usable(const at::Tensor& x) {
 
 void moe_wgmma_gemm(const MoeWgGemm& g) {
 #if defined(KBIT_SM90A)
-    TORCH_CHECK(g.tn == 128 || g.tn == 256, "kbit::moe: wgmma tile must be 128 or 256 slots, got ",
-                g.tn);
+    TORCH_CHECK(g.tn == 128 || g.tn == moe_wide_tile(g.bits), "kbit::moe: wgmma tile must be 128 or ",
+                moe_wide_tile(g.bits), " slots at k=", g.bits, ", got ", g.tn);
     TORCH_CHECK(g.x.is_contiguous() && g.x.size(1) % kBlock == 0 && g.n % kBlock == 0,
                 "kbit::moe (wgmma): internal buffers must be contiguous with 32-multiple widths");
     switch (g.bits) {

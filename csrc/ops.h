@@ -66,10 +66,13 @@ struct MoeWgGemm {
     int64_t max_tiles;
     const int* sorted;     // row -> slot
     const float* topk_w;   // [S]
-    int topk, act, tn;     // tn: x rows (slots) per tile: 128 (256 weight rows per CTA) or 256
+    int topk, act, tn;     // tn: x rows (slots) per tile: 128 (256 weight rows per CTA) or
+                           // moe_wide_tile(bits) (128 weight rows)
     bool weight_on_input, atomic;
     void* out;  // gate_up: act [rows, I] x.dtype; down: fp32 [T, H] (atomic) or [S, H]
 };
+// The wide tile's slots: 256, or 224 at k = 5 (see moe_wgmma.cu's run_bits).
+constexpr int moe_wide_tile(int64_t bits) { return bits == 5 ? 224 : 256; }
 bool moe_wgmma_usable(const at::Tensor& x);
 void moe_wgmma_gemm(const MoeWgGemm& g);
 

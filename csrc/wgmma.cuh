@@ -60,6 +60,33 @@ __device__ __forceinline__ void fence_proxy_async() {
 #endif
 }
 
+// d[64 x 32] += A * B: T = "bf16" or "f16" (PTX type of A and B).
+#define KBIT_WGMMA_M64N32K16(T) \
+    asm volatile( \
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n" \
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32." T "." T " {" \
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15 " \
+        "}, {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n" \
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]) \
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1) \
+        : "memory")
+
+// d[64 x 56] += A * B: T = "bf16" or "f16" (PTX type of A and B).
+#define KBIT_WGMMA_M64N56K16(T) \
+    asm volatile( \
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %33, 0;\n" \
+        "wgmma.mma_async.sync.aligned.m64n56k16.f32." T "." T " {" \
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27 " \
+        "}, {%28, %29, %30, %31}, %32, p, 1, 1, 0;\n}\n" \
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]) \
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1) \
+        : "memory")
+
 // d[64 x 64] += A * B: T = "bf16" or "f16" (PTX type of A and B).
 #define KBIT_WGMMA_M64N64K16(T) \
     asm volatile( \
@@ -72,6 +99,26 @@ __device__ __forceinline__ void fence_proxy_async() {
           "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
           "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
           "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]) \
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1) \
+        : "memory")
+
+// d[64 x 112] += A * B: T = "bf16" or "f16" (PTX type of A and B).
+#define KBIT_WGMMA_M64N112K16(T) \
+    asm volatile( \
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %61, 0;\n" \
+        "wgmma.mma_async.sync.aligned.m64n112k16.f32." T "." T " {" \
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+        "%48, %49, %50, %51, %52, %53, %54, %55 " \
+        "}, {%56, %57, %58, %59}, %60, p, 1, 1, 0;\n}\n" \
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]) \
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1) \
         : "memory")
 
@@ -93,6 +140,36 @@ __device__ __forceinline__ void fence_proxy_async() {
           "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
           "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
           "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]) \
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1) \
+        : "memory")
+
+// d[64 x 224] += A * B: T = "bf16" or "f16" (PTX type of A and B).
+#define KBIT_WGMMA_M64N224K16(T) \
+    asm volatile( \
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %117, 0;\n" \
+        "wgmma.mma_async.sync.aligned.m64n224k16.f32." T "." T " {" \
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, " \
+        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
+        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, " \
+        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111 " \
+        "}, {%112, %113, %114, %115}, %116, p, 1, 1, 0;\n}\n" \
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), \
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), \
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), \
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), \
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), \
+          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), \
+          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]) \
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1) \
         : "memory")
 
@@ -130,17 +207,32 @@ __device__ __forceinline__ void fence_proxy_async() {
         : "memory")
 
 // d[64 x N] += A[64 x 16] (registers) * B[16 x N] (descriptor), fp32 accumulators in the
-// mma.sync C order per 8 columns. Issued by all 128 threads of a warpgroup.
-template <bool BF16, int N>
-__device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc) {
-    static_assert(N == 64 || N == 128 || N == 256, "wgmma_rs: N = 64, 128 or 256");
+// mma.sync C order per 8 columns: the first N / 2 of d (a larger d serves narrower tiles with a
+// prefix of it). Issued by all 128 threads of a warpgroup.
+template <bool BF16, int N, int D>
+__device__ __forceinline__ void wgmma_rs(float (&d)[D], const uint32_t (&a)[4], uint64_t desc) {
+    static_assert(N == 32 || N == 56 || N == 64 || N == 112 || N == 128 || N == 224 || N == 256,
+                  "wgmma_rs: N = 32, 56, 64, 112, 128, 224 or 256");
+    static_assert(D >= N / 2, "wgmma_rs: too few accumulators");
 #if defined(KBIT_WGMMA_DEVICE)
-    if constexpr (N == 64) {
+    if constexpr (N == 32) {
+        if constexpr (BF16) KBIT_WGMMA_M64N32K16("bf16");
+        else KBIT_WGMMA_M64N32K16("f16");
+    } else if constexpr (N == 56) {
+        if constexpr (BF16) KBIT_WGMMA_M64N56K16("bf16");
+        else KBIT_WGMMA_M64N56K16("f16");
+    } else if constexpr (N == 64) {
         if constexpr (BF16) KBIT_WGMMA_M64N64K16("bf16");
         else KBIT_WGMMA_M64N64K16("f16");
+    } else if constexpr (N == 112) {
+        if constexpr (BF16) KBIT_WGMMA_M64N112K16("bf16");
+        else KBIT_WGMMA_M64N112K16("f16");
     } else if constexpr (N == 128) {
         if constexpr (BF16) KBIT_WGMMA_M64N128K16("bf16");
         else KBIT_WGMMA_M64N128K16("f16");
+    } else if constexpr (N == 224) {
+        if constexpr (BF16) KBIT_WGMMA_M64N224K16("bf16");
+        else KBIT_WGMMA_M64N224K16("f16");
     } else {
         if constexpr (BF16) KBIT_WGMMA_M64N256K16("bf16");
         else KBIT_WGMMA_M64N256K16("f16");
@@ -154,6 +246,10 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[
 }  // namespace frag
 }  // namespace kbit
 
+#undef KBIT_WGMMA_M64N32K16
+#undef KBIT_WGMMA_M64N56K16
+#undef KBIT_WGMMA_M64N112K16
+#undef KBIT_WGMMA_M64N224K16
 #undef KBIT_WGMMA_M64N64K16
 #undef KBIT_WGMMA_M64N128K16
 #undef KBIT_WGMMA_M64N256K16

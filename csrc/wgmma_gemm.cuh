@@ -45,6 +45,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <mutex>
+#include <type_traits>
 #include <unordered_map>
 
 #include "frag_dequant.cuh"
@@ -78,6 +79,7 @@ struct WgParams {
 enum GroupMode : int { kDense = 0, kMoeGateUp = 1, kMoeDown = 2 };
 enum MoeOut : int { kMoeRows = 0, kMoeAtomic = 1 };
 struct WgMoe {
+    CUtensorMap xmap_q;     // x boxes of TN / 4 rows (narrow tiles, wg::narrow_tn)
     const int4* tiles;      // [max tiles] {local expert, first row of x, rows <= TN, 0}
     const int* num_tiles;   // [1]
     const int* sorted;      // row of x -> slot t * topk + j
@@ -93,11 +95,15 @@ struct WgMoe {
 // (wg::copy_kind): one bulk copy per lane and k-tile, lane 0 also the TMA boxes of x.
 // GM == kMoeGateUp: nt0 is the CTA's first gate tile and p.n_tiles = I / 16; stage tile t < kTiles
 // / 2 is gate tile nt0 + t, the others the matching up tiles (p.n_tiles further).
+// MoE: a tile narrowed to x_rows = wg::narrow_tn(TN, rows) < TN loads its x boxes as x_rows /
+// (TN / 4) boxes of xmap_q (TN / 4 rows each) at the rows of the full box.
 template <int BITS, int RWG, int TN, int GM>
-__device__ __forceinline__ void produce(const WgParams& p, const void* xmap, const uint8_t* qw,
-                                        const uint8_t* am, int nt0, int m0, wg::KRange kr,
-                                        uint32_t ring, uint32_t full0, uint32_t empty0, int lane) {
+__device__ __forceinline__ void produce(const WgParams& p, const void* xmap, const void* xmap_q,
+                                        int x_rows, const uint8_t* qw, const uint8_t* am, int nt0,
+                                        int m0, wg::KRange kr, uint32_t ring, uint32_t full0,
+                                        uint32_t empty0, int lane) {
     using L = wg::StageLayout<BITS, RWG, TN>;
+    constexpr int kQ = TN / 4;
     const int kind = wg::copy_kind(lane, L::kTiles), t = wg::copy_tile(lane, L::kTiles);
     int live, dt = t;  // live tiles of the stage (tiles past n are not copied nor read); lane's
     bool active;       // tile = nt0 + dt
@@ -118,7 +124,7 @@ __device__ __forceinline__ void produce(const WgParams& p, const void* xmap, con
     // (Dense: straight from the parameter block, the code the dense kernel was measured with.)
     const uint8_t* src = (GM == kDense ? (kind == wg::kPlanesCopy ? p.qw : p.am)
                                        : (kind == wg::kPlanesCopy ? qw : am)) + tk * bytes;
-    if (lane == 0) wg::prefetch_tensormap(xmap);
+    if (lane == 0) wg::prefetch_tensormap(GM != kDense && x_rows < TN ? xmap_q : xmap);
 #pragma unroll 1
     for (int it = 0; it < kr.count; ++it) {
         const int slot = wg::ring_slot(it, p.stages), kt = kr.begin + it;
@@ -126,12 +132,22 @@ __device__ __forceinline__ void produce(const WgParams& p, const void* xmap, con
         wg::mbar_wait(empty0 + 8 * slot, wg::empty_parity(it, p.stages), 0, it);
         // Arm first (arrive + expect_tx in one), then copy: the phase cannot complete before
         // every byte counted here has landed.
-        if (lane == 0) wg::mbar_arrive_expect_tx(full, wg::stage_tx_bytes<BITS, RWG, TN>(live));
+        if (lane == 0)
+            wg::mbar_arrive_expect_tx(full, GM == kDense ? wg::stage_tx_bytes<BITS, RWG, TN>(live)
+                                                         : wg::stage_tx_bytes<BITS, RWG, TN>(live, x_rows));
         __syncwarp();
         if (active) wg::bulk_g2s(st + dst, src, bytes, full);
         if (lane == 0) {
-            wg::tma_load_2d(st, xmap, wg::x_box_col(kt, 0, p.K), m0, full);
-            wg::tma_load_2d(st + L::kXHalf, xmap, wg::x_box_col(kt, 1, p.K), m0, full);
+            if (GM == kDense || x_rows == TN) {
+                wg::tma_load_2d(st, xmap, wg::x_box_col(kt, 0, p.K), m0, full);
+                wg::tma_load_2d(st + L::kXHalf, xmap, wg::x_box_col(kt, 1, p.K), m0, full);
+            } else {
+                for (int r = 0; r < x_rows; r += kQ) {
+                    wg::tma_load_2d(st + r * wg::kSwizzle, xmap_q, wg::x_box_col(kt, 0, p.K), m0 + r, full);
+                    wg::tma_load_2d(st + L::kXHalf + r * wg::kSwizzle, xmap_q, wg::x_box_col(kt, 1, p.K),
+                                    m0 + r, full);
+                }
+            }
         }
         src += bytes;
     }
@@ -166,9 +182,9 @@ __device__ __forceinline__ void moe_epilogue(const WgParams& p, const WgMoe& mo,
     }
     wg::named_barrier(1, 256);
     constexpr int kCols = GM == kMoeGateUp ? ROWS / 2 : ROWS, kRowUnits = kCols / 4;
-    for (int u = ctid; u < TN * kRowUnits; u += 256) {
+    for (int u = ctid; u < m_valid * kRowUnits; u += 256) {
         const int tok = u / kRowUnits, r4 = (u % kRowUnits) * 4, col = n0 + r4;
-        if (tok >= m_valid || col >= p.n) continue;  // p.n % 4 == 0: whole float4 units
+        if (col >= p.n) continue;  // p.n % 4 == 0: whole float4 units
         const float* o = out + tok * OUT_ROW + r4;
         const int64_t dst = static_cast<int64_t>(s_row[tok]) * p.n + col;
         if constexpr (GM == kMoeGateUp) {
@@ -231,7 +247,8 @@ __global__ void __launch_bounds__(wg::kThreads, 1)
     if (warp < 4) {  // ------------------------------------------------------------ producer
         wg::setmaxnreg_dec<wg::kProducerRegs>();
         if (warp == 0)
-            produce<BITS, RWG, TN, GM>(p, &p.xmap, qw, am, nt0, m0, kr, ring, full0, empty0, lane);
+            produce<BITS, RWG, TN, GM>(p, &p.xmap, &mo.xmap_q, wg::narrow_tn(TN, m_rows), qw, am, nt0,
+                                       m0, kr, ring, full0, empty0, lane);
         if (p.mode == kCluster) {  // the consumers' two cluster barriers count every thread
             cluster_sync();
             cluster_sync();
@@ -292,31 +309,44 @@ __global__ void __launch_bounds__(wg::kThreads, 1)
             step_regs<BITS, BF16>(dst[b], iw[b], sc[b], kk, tbl_lane, stride);
     };
 
-    load_stage(0);
-    dequant(0, a[0]);
+    // The k loop at token width NE (dense: TN; MoE: wg::narrow_tn of the tile's rows, the
+    // accumulator prefix of NE / 2 values per block, the x boxes keep the TN-row layout).
+    auto k_loop = [&](auto ne) {
+        constexpr int NE = decltype(ne)::value;
+        load_stage(0);
+        dequant(0, a[0]);
 #pragma unroll 1
-    for (int it = 0; it < kr.count; ++it) {
-        const int slot = wg::ring_slot(it, S);
-        const uint64_t desc = wg::desc_sw128(ring + slot * L::kBytes);
+        for (int it = 0; it < kr.count; ++it) {
+            const int slot = wg::ring_slot(it, S);
+            const uint64_t desc = wg::desc_sw128(ring + slot * L::kBytes);
 #pragma unroll
-        for (int kk = 0; kk < 8; ++kk) {
-            wg_fence();  // the A registers were written by ordinary instructions
+            for (int kk = 0; kk < 8; ++kk) {
+                wg_fence();  // the A registers were written by ordinary instructions
 #pragma unroll
-            for (int b = 0; b < NB; ++b)
-                wgmma_rs<BF16, TN>(acc[b], a[kk % kABufs][b], desc + (wg::b_step_offset<TN>(kk) >> 4));
-            wg_commit();
-            wg_wait<kABufs - 1>();  // step kk + 1 - kABufs retired: its A set is free
-            // k-tile it - 1's last wgmma (step 7) is retired once kABufs - 1 steps of this
-            // k-tile have been committed after it: release its slot (one arrival per warp).
-            if (kk == kABufs - 2 && it > 0 && lane == 0)
-                wg::mbar_arrive(empty0 + 8 * wg::ring_slot(it - 1, S));
-            if (kk < 7) {
-                dequant(kk + 1, a[(kk + 1) % kABufs]);
-            } else if (it + 1 < kr.count) {  // next k-tile's planes while step 7 runs
-                load_stage(it + 1);
-                dequant(0, a[0]);
+                for (int b = 0; b < NB; ++b)
+                    wgmma_rs<BF16, NE>(acc[b], a[kk % kABufs][b], desc + (wg::b_step_offset<TN>(kk) >> 4));
+                wg_commit();
+                wg_wait<kABufs - 1>();  // step kk + 1 - kABufs retired: its A set is free
+                // k-tile it - 1's last wgmma (step 7) is retired once kABufs - 1 steps of this
+                // k-tile have been committed after it: release its slot (one arrival per warp).
+                if (kk == kABufs - 2 && it > 0 && lane == 0)
+                    wg::mbar_arrive(empty0 + 8 * wg::ring_slot(it - 1, S));
+                if (kk < 7) {
+                    dequant(kk + 1, a[(kk + 1) % kABufs]);
+                } else if (it + 1 < kr.count) {  // next k-tile's planes while step 7 runs
+                    load_stage(it + 1);
+                    dequant(0, a[0]);
+                }
             }
         }
+    };
+    if constexpr (GM == kDense) {
+        k_loop(std::integral_constant<int, TN>{});
+    } else {
+        const int ne = wg::narrow_tn(TN, m_rows);  // the producer loads boxes of this width
+        if (ne == TN / 4) k_loop(std::integral_constant<int, TN / 4>{});
+        else if (ne == TN / 2) k_loop(std::integral_constant<int, TN / 2>{});
+        else k_loop(std::integral_constant<int, TN>{});
     }
     wg_wait<0>();
 #pragma unroll

@@ -69,12 +69,21 @@ __host__ __device__ constexpr int x_box_col(int kt, int half, int K) {
 }
 
 // Bytes one stage's copies deliver (the full barrier's expect_tx): the planes and absmax of the
-// live tiles (tiles past n are not copied) and the two x boxes, which TMA counts in full (rows
-// past M, columns past K zero-filled included).
+// live tiles (tiles past n are not copied) and the two x boxes of x_rows rows, which TMA counts
+// in full (rows past M, columns past K zero-filled included).
 template <int BITS, int RWG, int TN>
-__host__ __device__ constexpr uint32_t stage_tx_bytes(int live_tiles) {
+__host__ __device__ constexpr uint32_t stage_tx_bytes(int live_tiles, int x_rows = TN) {
     using L = StageLayout<BITS, RWG, TN>;
-    return static_cast<uint32_t>(live_tiles * (L::kPlanes + 64) + L::kX);
+    return static_cast<uint32_t>(live_tiles * (L::kPlanes + 64) + 2 * x_rows * kSwizzle);
+}
+
+// Grouped MoE: the token width a routing tile of `rows` <= TN rows is computed with: TN / 4,
+// TN / 2 or TN. An expert's last tile holds its count mod TN rows; at full width it would cost as
+// much as a full tile (same wgmma N, same x boxes), so narrow tiles issue narrower wgmmas and load
+// only TN / 4-row boxes of x. (Qwen3-30B-A3B at T = 4096: ~256 +- 16 slots per expert, so about
+// half of the experts end in a tile of a few rows.)
+__host__ __device__ constexpr int narrow_tn(int tn, int rows) {
+    return rows <= tn / 4 ? tn / 4 : rows <= tn / 2 ? tn / 2 : tn;
 }
 
 // Where TMA's SWIZZLE_128B puts element (tok, k) of a stage's x tile (k < 128), relative to the
@@ -117,11 +126,12 @@ __host__ __device__ constexpr uint32_t empty_parity(int it, int stages) {
 
 // Tile configurations (KBIT_WGMMA_CONFIG), rows x tokens per CTA = 2 RWG x TN:
 // C1 = 128 x 64, C2 = 128 x 128, C3 = 256 x 128, C1w = 256 x 64, C2w = 128 x 256
-// (docs/wgmma-plan.md, section 4).
-enum TileConfig : int { kC1 = 1, kC2 = 2, kC3 = 3, kC1w = 4, kC2w = 5, kNumConfigs = 5 };
+// (docs/wgmma-plan.md, section 4). C2n = 128 x 224 is the grouped MoE kernel's wide tile at k = 5
+// only (moe_wgmma.cu), not a dense configuration.
+enum TileConfig : int { kC1 = 1, kC2 = 2, kC3 = 3, kC1w = 4, kC2w = 5, kNumConfigs = 5, kC2n = 6 };
 __host__ __device__ constexpr int config_rwg(int c) { return c == kC3 || c == kC1w ? 128 : 64; }
 __host__ __device__ constexpr int config_tn(int c) {
-    return c == kC1 || c == kC1w ? 64 : c == kC2w ? 256 : 128;
+    return c == kC1 || c == kC1w ? 64 : c == kC2w ? 256 : c == kC2n ? 224 : 128;
 }
 
 // The configuration for M tokens and k_tiles 128-column k-tiles. forced (1..5, KBIT_WGMMA_CONFIG)

@@ -266,7 +266,7 @@ def test_kernel_paths(monkeypatch, env: dict[str, str]) -> None:
     monkeypatch.setenv("KBIT_MOE_WGMMA", "0")  # the mma.sync ones (csrc/moe.cu)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    for t in [1, 3, 20, 200]:
+    for t in [1, 3, 20, 200, 1100]:  # 1100 x 4 slots: the multi-CTA routing
         _run_check(t, 16, 4, 256, 96, 3, torch.bfloat16, act="gelu")
 
 
@@ -560,7 +560,8 @@ def wgmma(monkeypatch):
     monkeypatch.setenv("KBIT_MOE_GEMV_MAX_SLOTS", "0")
 
 
-WG_TNS = ["128", "256"]  # KBIT_MOE_WG_TN: 128 slots x 256 weight rows, 256 slots x 128 rows
+WG_TNS = ["128", "256"]  # KBIT_MOE_WG_TN: 128 slots x 256 weight rows, or the wide tile of
+# 256 slots (224 at k=5) x 128 rows
 
 
 def _set_tile(monkeypatch, tn: str) -> None:
@@ -576,6 +577,29 @@ def test_wgmma_all_bits(wgmma, monkeypatch, bits: int, dtype: torch.dtype, tn: s
     _set_tile(monkeypatch, tn)
     for t in [1, 37, 300, 1000]:
         _run_check(t, 8, 2, 160, 96, bits, dtype)
+
+
+# Per-expert slot counts around every narrowed width (wg::narrow_tn: an expert's last tile of
+# count mod TN rows runs at TN / 4, TN / 2 or TN tokens) for TN = 128, 224 (k=5) and 256.
+NARROW_COUNTS = [1, 31, 32, 33, 56, 57, 63, 64, 65, 112, 113, 127, 128, 129, 191, 192, 193, 224,
+                 225, 255, 256, 257, 300, 384, 385, 513]
+
+
+@pytest.mark.parametrize("tn", WG_TNS)
+@pytest.mark.parametrize("bits,dtype", [(3, torch.float16), (5, torch.bfloat16)])
+def test_wgmma_narrow_tiles(wgmma, monkeypatch, tn: str, bits: int, dtype: torch.dtype) -> None:
+    _set_tile(monkeypatch, tn)
+    e, h, i = len(NARROW_COUNTS), 192, 96
+    counts = torch.tensor(NARROW_COUNTS, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(5)
+    ids = torch.repeat_interleave(torch.arange(e, device="cuda"), counts)
+    ids = ids[torch.randperm(ids.numel(), generator=g, device="cuda")].view(-1, 1)
+    t = ids.shape[0]
+    tw = torch.rand(t, 1, generator=g, device="cuda") + 0.5
+    ex = _experts(e, h, i, bits)
+    x = _x(t, h, dtype)
+    y = _moe(x, ex, tw, ids.to(torch.int32), None, bits)
+    _check(y, x, ex[5], ex[6], tw, ids, None, "silu", False)
 
 
 @pytest.mark.parametrize("det", ["0", "1"])
@@ -603,7 +627,7 @@ def test_wgmma_expert_map_bad_ids_and_int64(wgmma, monkeypatch, tn: str) -> None
     e_local, e_global = 16, 32
     emap = torch.full((e_global,), -1, dtype=torch.int32, device="cuda")
     emap[1::2] = torch.arange(e_local, dtype=torch.int32, device="cuda")
-    for t in [7, 1000]:
+    for t in [7, 1000, 1500]:  # 1500 x 4 slots: the multi-CTA routing (> 4096 slots)
         _run_check(t, e_local, 4, 128, 64, 4, torch.bfloat16, emap=emap, e_global=e_global)
     _run_check(700, 16, 4, 128, 64, 2, torch.float16, ids_dtype=torch.int64, skew=6.0)
     ex = _experts(16, 128, 64, 4)

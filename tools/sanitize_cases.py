@@ -99,7 +99,7 @@ if getattr(_C, "sm90a", 0) == 1 and torch.cuda.get_device_capability() == (9, 0)
                         os.environ.pop(var)
     os.environ.pop("KBIT_MMA_WGMMA")
 
-# kbit::moe: the GEMV decode path, in-CTA routing and the routing kernel, the wgmma path (sm_90),
+# kbit::moe: the GEMV decode path, in-CTA routing and the routing kernels, the wgmma path (sm_90),
 # cluster / workspace split-K, per-slot rows and atomics, an expert map with -1, a partial
 # column group (I = 96) and k-tile (H = 160).
 # (skipped under KBIT_MOE_REFERENCE=1, where kbit::moe is the reference on CUDA)
@@ -128,10 +128,12 @@ if hasattr(K_OPS, "moe") and "moe" not in getattr(ops, "_cuda_reference_ops", ["
                                  (150, 2, {}), (40, 8, {"KBIT_MOE_ATOMIC": "1"}),
                                  (64, 1, {"KBIT_MOE_TM": "64"}),
                                  # the sm_90 grouped wgmma path (elsewhere: the grouped kernels),
-                                 # every token tile, per-slot rows and atomics
+                                 # every token tile and narrowed width, per-slot rows and atomics
                                  (3, 2, {"KBIT_MOE_WGMMA": "1", **grouped}),
                                  (300, 2, {"KBIT_MOE_WGMMA": "1", "KBIT_MOE_WG_TN": "128", **det}),
                                  (300, 4, {"KBIT_MOE_WGMMA": "1"}),
+                                 (40, 2, {"KBIT_MOE_WGMMA": "1", "KBIT_MOE_WG_TN": "256"}),
+                                 (2100, 2, {}),  # > 4096 slots: the multi-CTA routing
                                  (600, 2, {"KBIT_MOE_WGMMA": "1", "KBIT_MOE_WG_TN": "256",
                                            "KBIT_MOE_ATOMIC": "1"})):
                 for k, v in env.items():
