@@ -95,8 +95,8 @@ struct WgMoe {
 // (wg::copy_kind): one bulk copy per lane and k-tile, lane 0 also the TMA boxes of x.
 // GM == kMoeGateUp: nt0 is the CTA's first gate tile and p.n_tiles = I / 16; stage tile t < kTiles
 // / 2 is gate tile nt0 + t, the others the matching up tiles (p.n_tiles further).
-// MoE: a tile narrowed to x_rows = wg::narrow_tn(TN, rows) < TN loads its x boxes as x_rows /
-// (TN / 4) boxes of xmap_q (TN / 4 rows each) at the rows of the full box.
+// x_rows: the token width of the tile (TN; MoE: wg::narrow_tn of its rows); a narrowed tile loads
+// its x boxes as x_rows / (TN / 4) boxes of xmap_q (TN / 4 rows each) at the rows of the full box.
 template <int BITS, int RWG, int TN, int GM>
 __device__ __forceinline__ void produce(const WgParams& p, const void* xmap, const void* xmap_q,
                                         int x_rows, const uint8_t* qw, const uint8_t* am, int nt0,
@@ -124,7 +124,7 @@ __device__ __forceinline__ void produce(const WgParams& p, const void* xmap, con
     // (Dense: straight from the parameter block, the code the dense kernel was measured with.)
     const uint8_t* src = (GM == kDense ? (kind == wg::kPlanesCopy ? p.qw : p.am)
                                        : (kind == wg::kPlanesCopy ? qw : am)) + tk * bytes;
-    if (lane == 0) wg::prefetch_tensormap(GM != kDense && x_rows < TN ? xmap_q : xmap);
+    if (lane == 0) wg::prefetch_tensormap(x_rows < TN ? xmap_q : xmap);
 #pragma unroll 1
     for (int it = 0; it < kr.count; ++it) {
         const int slot = wg::ring_slot(it, p.stages), kt = kr.begin + it;
@@ -132,13 +132,11 @@ __device__ __forceinline__ void produce(const WgParams& p, const void* xmap, con
         wg::mbar_wait(empty0 + 8 * slot, wg::empty_parity(it, p.stages), 0, it);
         // Arm first (arrive + expect_tx in one), then copy: the phase cannot complete before
         // every byte counted here has landed.
-        if (lane == 0)
-            wg::mbar_arrive_expect_tx(full, GM == kDense ? wg::stage_tx_bytes<BITS, RWG, TN>(live)
-                                                         : wg::stage_tx_bytes<BITS, RWG, TN>(live, x_rows));
+        if (lane == 0) wg::mbar_arrive_expect_tx(full, wg::stage_tx_bytes<BITS, RWG, TN>(live, x_rows));
         __syncwarp();
         if (active) wg::bulk_g2s(st + dst, src, bytes, full);
         if (lane == 0) {
-            if (GM == kDense || x_rows == TN) {
+            if (x_rows == TN) {
                 wg::tma_load_2d(st, xmap, wg::x_box_col(kt, 0, p.K), m0, full);
                 wg::tma_load_2d(st + L::kXHalf, xmap, wg::x_box_col(kt, 1, p.K), m0, full);
             } else {
@@ -247,8 +245,8 @@ __global__ void __launch_bounds__(wg::kThreads, 1)
     if (warp < 4) {  // ------------------------------------------------------------ producer
         wg::setmaxnreg_dec<wg::kProducerRegs>();
         if (warp == 0)
-            produce<BITS, RWG, TN, GM>(p, &p.xmap, &mo.xmap_q, wg::narrow_tn(TN, m_rows), qw, am, nt0,
-                                       m0, kr, ring, full0, empty0, lane);
+            produce<BITS, RWG, TN, GM>(p, &p.xmap, &mo.xmap_q, GM == kDense ? TN : wg::narrow_tn(TN, m_rows),
+                                       qw, am, nt0, m0, kr, ring, full0, empty0, lane);
         if (p.mode == kCluster) {  // the consumers' two cluster barriers count every thread
             cluster_sync();
             cluster_sync();
@@ -343,9 +341,9 @@ __global__ void __launch_bounds__(wg::kThreads, 1)
     if constexpr (GM == kDense) {
         k_loop(std::integral_constant<int, TN>{});
     } else {
-        const int ne = wg::narrow_tn(TN, m_rows);  // the producer loads boxes of this width
-        if (ne == TN / 4) k_loop(std::integral_constant<int, TN / 4>{});
-        else if (ne == TN / 2) k_loop(std::integral_constant<int, TN / 2>{});
+        const int x_rows = wg::narrow_tn(TN, m_rows);  // the width the producer loads
+        if (x_rows == TN / 4) k_loop(std::integral_constant<int, TN / 4>{});
+        else if (x_rows == TN / 2) k_loop(std::integral_constant<int, TN / 2>{});
         else k_loop(std::integral_constant<int, TN>{});
     }
     wg_wait<0>();

@@ -6,13 +6,13 @@ shapes, bf16: the default path and a few KBIT_MOE_* settings. Run from the repo 
 ``ncu -k regex:wgmma_gemm`` (hardware counters of the kernels of that one call)."""
 
 import argparse
-import os
 import sys
 
 import torch
 
 sys.path.insert(0, "benchmarks")
 from bench_moe import kbit_weights, routing  # noqa: E402
+from timing import with_env  # noqa: E402
 
 from vllm_kbit import _ops  # noqa: E402
 
@@ -29,39 +29,26 @@ def run_case(name: str, m: int, bits: int, env: dict, ncu: bool) -> None:
     q13, a13, q2, a2, cb = kbit_weights(e, h, i, bits, dev, seed=4)
     tw, ids = routing(m, e, topk, 1, dev)
     x = torch.randn(m, h, device=dev).to(torch.bfloat16)
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-
-    def call():
-        return torch.ops.kbit.moe(x, q13, a13, q2, a2, cb, tw, ids, None, bits, i, "silu", False)
-
-    try:
-        for _ in range(3):
+    call = with_env(env, lambda: torch.ops.kbit.moe(x, q13, a13, q2, a2, cb, tw, ids, None, bits, i,
+                                                    "silu", False))
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    if ncu:
+        torch.cuda.nvtx.range_push(f"{name} M={m} k={bits} {env}")
+        call()
+        torch.cuda.nvtx.range_pop()
+        torch.cuda.synchronize()
+        return
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(REPS):
             call()
         torch.cuda.synchronize()
-        if ncu:
-            torch.cuda.nvtx.range_push(f"{name} M={m} k={bits} {env}")
-            call()
-            torch.cuda.nvtx.range_pop()
-            torch.cuda.synchronize()
-            return
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(REPS):
-                call()
-            torch.cuda.synchronize()
-        print(f"== {name} M={m} k={bits} {env}")
-        for ev in prof.key_averages():
-            us = getattr(ev, "device_time_total", 0) / REPS
-            if us > 0:
-                print(f"  {us:9.1f} us  {ev.key[:110]}")
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        del q13, a13, q2, a2
-        torch.cuda.empty_cache()
+    print(f"== {name} M={m} k={bits} {env}")
+    for ev in prof.key_averages():
+        us = getattr(ev, "device_time_total", 0) / REPS
+        if us > 0:
+            print(f"  {us:9.1f} us  {ev.key[:110]}")
 
 
 def main() -> None:
@@ -78,6 +65,7 @@ def main() -> None:
     for bits in (int(b) for b in args.bits.split(",")):
         for name, m, env in cases:
             run_case(name, m, bits, {**env, **extra}, args.ncu)
+            torch.cuda.empty_cache()  # the case's experts are gone with its frame
 
 
 if __name__ == "__main__":
