@@ -99,7 +99,8 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _capture(fns: Sequence[Callable[[], object]]) -> torch.cuda.CUDAGraph:
+def capture_graph(fns: Sequence[Callable[[], object]]) -> torch.cuda.CUDAGraph:
+    """One CUDA graph of the calls ``fns`` in order, after one warm-up pass of them."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):  # warm-up on a side stream, as torch recommends
@@ -133,7 +134,7 @@ def _runner(fns: Sequence[Callable[[], object]], use_graph: bool,
     if not use_graph:
         return eager, "events", "graphs disabled (--no-graph)"
     try:
-        return _capture(fns).replay, "graph", ""
+        return capture_graph(fns).replay, "graph", ""
     except Exception as e:  # noqa: BLE001  (reported, then timed without a graph)
         _sync()  # a broken context raises here, which the caller treats as fatal
         first = (str(e).strip().splitlines() or [""])[0][:160]

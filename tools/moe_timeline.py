@@ -1,9 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """Diagnostic (GPU): the kernel timeline of kbit::moe calls as vLLM replays them. R calls with
 different routings (and so different experts: cold weights) are captured in one CUDA graph; the
-script prints the per-call time of graph replays (CUDA events), then profiles three replays
-(torch.profiler, CUPTI) and prints each kernel's median duration and the median gap between
-consecutive kernels (negative: the next kernel started before this one ended, i.e. PDL overlap).
+script prints the per-call time of graph replays (benchmarks/timing.py's time_calls), then
+profiles three replays (torch.profiler, CUPTI) and prints each kernel's median duration and the
+median gap between consecutive kernels (negative: the next kernel started before this one
+ended, i.e. PDL overlap).
 Run from the repo root: ``python3 tools/moe_timeline.py [SHAPE:M:BITS ...]`` (default: the
 decode cases qwen3:1:4 qwen3:1:2 qwen3:1:5 qwen3:2:4 e512:1:4); KBIT_* settings come from the
 environment."""
@@ -18,6 +19,7 @@ import torch
 
 sys.path.insert(0, "benchmarks")
 from bench_moe import kbit_weights, routing  # noqa: E402
+from timing import capture_graph, time_calls  # noqa: E402
 
 sys.path.insert(0, "tools")
 from profile_moe import SHAPES  # noqa: E402
@@ -39,30 +41,15 @@ def run(name: str, m: int, bits: int) -> None:
     routes = [routing(m, e, topk, 100 + r, dev) for r in range(CALLS)]
     xs = [torch.randn(m, h, device=dev).to(torch.bfloat16) for _ in range(CALLS)]
 
-    def calls() -> None:
-        for (tw, ids), x in zip(routes, xs):
-            torch.ops.kbit.moe(x, q13, a13, q2, a2, cb, tw, ids, None, bits, i, "silu", False)
+    def call(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor):
+        return lambda: torch.ops.kbit.moe(x, q13, a13, q2, a2, cb, tw, ids, None, bits, i, "silu", False)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            calls()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        calls()
+    fns = [call(x, tw, ids) for (tw, ids), x in zip(routes, xs)]
+    per_call = time_calls(fns).us  # the benchmarks' method: graph replays, events, median
+    graph = capture_graph(fns)
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()
-    per_call = []
-    for _ in range(20):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        per_call.append(a.elapsed_time(b) * 1000 / CALLS)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
             graph.replay()
@@ -81,7 +68,7 @@ def run(name: str, m: int, bits: int) -> None:
     for a, b in zip(events, events[1:]):
         key = f"{_kernel(a['name'])} -> {_kernel(b['name'])}"
         gaps.setdefault(key, []).append(b["ts"] - (a["ts"] + a["dur"]))
-    print(f"== {name} M={m} k={bits}: {statistics.median(per_call):.2f} us/call (graph, events)")
+    print(f"== {name} M={m} k={bits}: {per_call:.2f} us/call (graph, events)")
     for k, v in durations.items():
         print(f"   kernel {k:40s} n={len(v):4d} median {statistics.median(v):7.2f} us")
     for k, v in gaps.items():
