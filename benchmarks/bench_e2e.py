@@ -11,6 +11,10 @@ file as they finish, and finished (method, batch) pairs are skipped when re-run.
     python benchmarks/bench_e2e.py --shape qwen3-30b-a3b --dtype bfloat16 --methods bf16,kbit4
         --batch 1,16,64 --tag _qwen3_30b_a3b        (one command line)
 
+``--profile`` adds, after the timed runs of the first batch size, one more generate under vLLM's
+torch profiler (``profiler_config``) and a table of where the GPU time per output token goes
+(``trace_summary.py``: kernel families, top kernels, GPU idle share) in ``bench_e2e{tag}_profile.md``.
+
 A method is ``kbitK`` (online k-bit), ``kbitKlm`` (the same with the lm_head quantized too,
 config key ``quantize_lm_head``), either of them + ``pdl`` (run with ``KBIT_PDL=1``: the GEMV
 uses programmatic dependent launch; no other method sees that variable) or anything else (the
@@ -26,6 +30,7 @@ import os
 import platform
 import re
 import select
+import shutil
 import statistics
 import subprocess
 import sys
@@ -98,6 +103,10 @@ def worker(args: argparse.Namespace) -> None:
               enforce_eager=args.eager)  # fmt: skip
     if args.method.startswith("kbit"):
         kw.update(quantization="kbit", hf_overrides={"quantization_config": kbit_config(args.method)})
+    if args.profile_dir:  # configured only: the profiler records between start/stop_profile
+        kw["profiler_config"] = {"profiler": "torch", "torch_profiler_dir": args.profile_dir,
+                                 "torch_profiler_with_stack": False,
+                                 "torch_profiler_dump_cuda_time_total": False}  # fmt: skip
     t0 = time.perf_counter()
     llm = LLM(**kw)
     load_s = time.perf_counter() - t0
@@ -118,6 +127,13 @@ def worker(args: argparse.Namespace) -> None:
         print(json.dumps({"event": "result", "method": args.method, "batch": b, "output_tokens": n_out,
                           "seconds_median": med, "seconds_all": times, "output_tok_s": n_out / med,
                           "load_s": load_s}), flush=True)  # fmt: skip
+        if args.profile_dir and b == args.batch[0]:
+            llm.start_profile()
+            outs = llm.generate(prompts, sp, use_tqdm=False)
+            llm.stop_profile()
+            n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+            print(json.dumps({"event": "profile", "method": args.method, "batch": b,
+                              "output_tokens": n_out, "dir": args.profile_dir}), flush=True)  # fmt: skip
     os._exit(0)  # a finished LLM can hang at exit (engine process)
 
 
@@ -178,6 +194,38 @@ def write_table(res: dict, path: Path) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
+def profile_summary(d: Path, tokens: int, wait_s: float = 60.0) -> dict:
+    """trace_summary of the newest torch-profiler trace in d (written as the profiler stops;
+    waits for it to appear and stop growing)."""
+    from trace_summary import load_trace, summarize
+
+    t0, last = time.time(), None
+    while time.time() - t0 < wait_s:
+        files = sorted(d.glob("*.pt.trace.json*"), key=lambda f: f.stat().st_mtime)
+        if files:
+            cur = (files[-1], files[-1].stat().st_size)
+            if cur == last:
+                return summarize(load_trace(cur[0]), tokens) | {"trace": cur[0].name}
+            last = cur
+        time.sleep(2.0)
+    raise FileNotFoundError(f"bench_e2e: no complete profiler trace in {d} after {wait_s:.0f} s")
+
+
+def write_profile_table(res: dict, path: Path) -> None:
+    from trace_summary import table
+
+    prof = res.get("profiles", {})
+    lines = [f"# Where the GPU time per output token goes ({res['meta'].get('device', '?')})", "",
+             f"- command: `{res['meta']['command']}`", f"- date: {res['meta']['date']}, commit "
+             f"{res['meta']['git_commit'][:10]}", f"- model: {res['meta']['model_desc']}, input "
+             f"{res['meta']['input_len']} / output {res['meta']['output_len']} tokens; one generate "
+             "per method and batch under vLLM's torch profiler (CUPTI), after the timed runs; the "
+             "prefill step is included (1 of the output tokens' steps); traced kernels run slower "
+             "than untraced ones, so compare columns, not absolute times with the throughput table",
+             ""] + table(prof)  # fmt: skip
+    path.write_text("\n".join(lines) + "\n")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -198,6 +246,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out-dir", default=str(HERE / "results"))
     p.add_argument("--tag", default="", help="suffix of the output file names")
     p.add_argument("--timeout", type=int, default=420, help="seconds per method")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile one generate at the first batch size (see above)")  # fmt: skip
+    p.add_argument("--profile-dir", help=argparse.SUPPRESS)
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -242,6 +293,11 @@ def main(argv: list[str] | None = None) -> None:
                str(args.output_len), "--repeats", str(args.repeats), "--dtype",
                args.dtype,
                "--gpu-mem", str(args.gpu_mem)] + (["--eager"] if args.eager else [])  # fmt: skip
+        if args.profile:
+            pdir = Path("/tmp/kbit-e2e/profile") / m
+            shutil.rmtree(pdir, ignore_errors=True)
+            pdir.mkdir(parents=True)
+            cmd += ["--profile-dir", str(pdir)]
         print(f"[{m}] starting: batches {todo}", flush=True)
         t0 = time.time()
         log = out / f"bench_e2e{args.tag}_{m}.log"
@@ -266,6 +322,11 @@ def main(argv: list[str] | None = None) -> None:
                                 res["results"].append(ev)
                                 res["failed"].pop(m, None)
                                 stem.with_suffix(".json").write_text(json.dumps(res, indent=1))
+                            elif ev["event"] == "profile":
+                                s = profile_summary(Path(ev["dir"]), ev["output_tokens"])
+                                res.setdefault("profiles", {})[f"{m} b{ev['batch']}"] = s
+                                stem.with_suffix(".json").write_text(json.dumps(res, indent=1))
+                                write_profile_table(res, Path(f"{stem}_profile.md"))
                     if proc.poll() is not None and not chunk:
                         break
                     if time.time() - t0 > args.timeout:
