@@ -27,7 +27,9 @@ from typing import TypeVar
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 if str(HERE.parent) not in sys.path:
-    sys.path.insert(1, str(HERE.parent))  # the repository's vllm_kbit, installed or not
+    # the repository's vllm_kbit where none is importable; last, so that a PYTHONPATH build
+    # (tools/ab_base.sh: A/B timing of two builds) or the editable install comes first
+    sys.path.append(str(HERE.parent))
 
 import int4_baselines as i4
 import torch

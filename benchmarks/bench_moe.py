@@ -45,7 +45,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 if str(HERE.parent) not in sys.path:
-    sys.path.insert(1, str(HERE.parent))
+    # the repository's vllm_kbit where none is importable; last, so that a PYTHONPATH build
+    # (tools/ab_base.sh: A/B timing of two builds) or the editable install comes first
+    sys.path.append(str(HERE.parent))
 
 import torch
 import torch.nn.functional as F
