@@ -11,8 +11,8 @@ file as they finish, and finished (method, batch) pairs are skipped when re-run.
     python benchmarks/bench_e2e.py --shape qwen3-30b-a3b --dtype bfloat16 --methods bf16,kbit4
         --batch 1,16,64 --tag _qwen3_30b_a3b        (one command line)
 
-``--profile`` adds, after the timed runs of the first batch size, one more generate under vLLM's
-torch profiler (``profiler_config``) and a table of where the GPU time per output token goes
+``--profile`` adds, after the timed runs of each batch size, one more generate under vLLM's torch
+profiler (``profiler_config``) and a table of where the GPU time per output token goes
 (``trace_summary.py``: kernel families, top kernels, GPU idle share) in ``bench_e2e{tag}_profile.md``.
 
 A method is ``kbitK`` (online k-bit), ``kbitKlm`` (the same with the lm_head quantized too,
@@ -127,7 +127,7 @@ def worker(args: argparse.Namespace) -> None:
         print(json.dumps({"event": "result", "method": args.method, "batch": b, "output_tokens": n_out,
                           "seconds_median": med, "seconds_all": times, "output_tok_s": n_out / med,
                           "load_s": load_s}), flush=True)  # fmt: skip
-        if args.profile_dir and b == args.batch[0]:
+        if args.profile_dir:  # vLLM restarts its profiler: one trace file per start/stop
             llm.start_profile()
             outs = llm.generate(prompts, sp, use_tqdm=False)
             llm.stop_profile()
@@ -194,14 +194,16 @@ def write_table(res: dict, path: Path) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def profile_summary(d: Path, tokens: int, wait_s: float = 60.0) -> dict:
-    """trace_summary of the newest torch-profiler trace in d (written as the profiler stops;
-    waits for it to appear and stop growing)."""
+def profile_summary(d: Path, tokens: int, seen: set[str] | None = None, wait_s: float = 60.0) -> dict:
+    """trace_summary of the newest torch-profiler trace in d whose name is not in `seen` (traces
+    already summarised); the trace is written as the profiler stops: waits for it to appear and
+    stop growing."""
     from trace_summary import load_trace, summarize
 
     t0, last = time.time(), None
     while time.time() - t0 < wait_s:
-        files = sorted(d.glob("*.pt.trace.json*"), key=lambda f: f.stat().st_mtime)
+        files = sorted((f for f in d.glob("*.pt.trace.json*") if f.name not in (seen or ())),
+                       key=lambda f: f.stat().st_mtime)  # fmt: skip
         if files:
             cur = (files[-1], files[-1].stat().st_size)
             if cur == last:
@@ -247,7 +249,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tag", default="", help="suffix of the output file names")
     p.add_argument("--timeout", type=int, default=420, help="seconds per method")
     p.add_argument("--profile", action="store_true",
-                   help="also profile one generate at the first batch size (see above)")  # fmt: skip
+                   help="also profile one generate per batch size (see above)")  # fmt: skip
     p.add_argument("--profile-dir", help=argparse.SUPPRESS)
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
@@ -323,8 +325,10 @@ def main(argv: list[str] | None = None) -> None:
                                 res["failed"].pop(m, None)
                                 stem.with_suffix(".json").write_text(json.dumps(res, indent=1))
                             elif ev["event"] == "profile":
-                                s = profile_summary(Path(ev["dir"]), ev["output_tokens"])
-                                res.setdefault("profiles", {})[f"{m} b{ev['batch']}"] = s
+                                prof = res.setdefault("profiles", {})
+                                seen = {v["trace"] for k, v in prof.items() if k.startswith(f"{m} b")}
+                                s = profile_summary(Path(ev["dir"]), ev["output_tokens"], seen)
+                                prof[f"{m} b{ev['batch']}"] = s
                                 stem.with_suffix(".json").write_text(json.dumps(res, indent=1))
                                 write_profile_table(res, Path(f"{stem}_profile.md"))
                     if proc.poll() is not None and not chunk:

@@ -102,6 +102,11 @@ def test_bench_e2e_profile_summary_and_table(tmp_path: Path):
         json.dump(_trace(), f)
     s = bench_e2e.profile_summary(d, 2)
     assert s["trace"] == newest.name and s["span_us_per_token"] == pytest.approx(32.0)
+    # the next batch's trace: the newest not summarised yet
+    s_old = bench_e2e.profile_summary(d, 2, seen={newest.name})
+    assert s_old["trace"] == "old.pt.trace.json" and s_old["span_us_per_token"] == 50.0
+    with pytest.raises(FileNotFoundError):
+        bench_e2e.profile_summary(d, 2, seen={newest.name, "old.pt.trace.json"}, wait_s=0.1)
     meta = {"device": "NVIDIA H100", "command": "bench_e2e.py --profile", "date": "2026-11-23",
             "git_commit": "0123456789abc", "model_desc": "tiny", "input_len": 128, "output_len": 16}  # fmt: skip
     out = tmp_path / "p.md"
@@ -131,7 +136,7 @@ class _FakeLLM:
         _FakeLLM.calls.append(("stop_profile",))
 
 
-def test_bench_e2e_worker_profiles_first_batch(monkeypatch, capsys, tmp_path: Path):
+def test_bench_e2e_worker_profiles_each_batch(monkeypatch, capsys, tmp_path: Path):
     import vllm
     from vllm.config import ProfilerConfig
 
@@ -151,13 +156,13 @@ def test_bench_e2e_worker_profiles_first_batch(monkeypatch, capsys, tmp_path: Pa
     cfg = ProfilerConfig(**kw["profiler_config"])  # vLLM's own validation of the keys
     assert cfg.profiler == "torch" and cfg.torch_profiler_dir == str(tmp_path)
     names = [c[0] for c in _FakeLLM.calls]
-    # batch 2: warm-up, 1 timed, profiled; batch 4: warm-up, 1 timed, no profile
-    assert names == ["init", "generate", "generate", "start_profile", "generate", "stop_profile",
-                     "generate", "generate"]  # fmt: skip
+    # per batch: warm-up, 1 timed, 1 profiled
+    per_batch = ["generate", "generate", "start_profile", "generate", "stop_profile"]
+    assert names == ["init"] + per_batch * 2
     events = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
     prof = [e for e in events if e["event"] == "profile"]
-    assert prof == [{"event": "profile", "method": "kbit4", "batch": 2, "output_tokens": 8,
-                     "dir": str(tmp_path)}]  # fmt: skip
+    assert prof == [{"event": "profile", "method": "kbit4", "batch": b, "output_tokens": 4 * b,
+                     "dir": str(tmp_path)} for b in (2, 4)]  # fmt: skip
     # without --profile the LLM gets no profiler_config and nothing is profiled
     _FakeLLM.calls = []
     with pytest.raises(SystemExit):
