@@ -29,21 +29,10 @@
 #include <set>
 #include <vector>
 
+#include "host_check.h"
 #include "wgmma_sm90.cuh"
 
 using namespace kbit::wg;
-
-static int g_fail = 0;
-#define CHECK(cond, ...)                                     \
-    do {                                                     \
-        if (!(cond)) {                                       \
-            if (g_fail++ < 20) {                             \
-                std::printf("FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
-                std::printf(__VA_ARGS__);                    \
-                std::printf("\n");                           \
-            }                                                \
-        }                                                    \
-    } while (0)
 
 // ------------------------------------------------------------------------------ 1. descriptor
 static void check_descriptor() {
