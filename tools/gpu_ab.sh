@@ -7,11 +7,14 @@
 #   ROUNDS=2 bash tools/gpu_ab.sh decode NAME...   # decode paths: MoE layer (Qwen3-30B-A3B, k=2,4,5,
 #                                               # M=1..16), dense GEMV (8B, k=2,4, M=1,4,8)
 #
-# Results under $OUT/ab: bench_moe_ab_<variant><round>.{json,md} and
-# bench_linear_<gpu>_ab_<variant><round>.{json,md}, variant "co" = the checkout; the decode phase
-# prints each run's table. KBIT_GIT_COMMIT names the checkout's commit.
+# Results in $AB (default /tmp/kbit-ab, kept while the machine stays warm, so rounds of several
+# calls add up): bench_moe_ab_<variant><round>.{json,md} and bench_linear_<gpu>_ab_<variant><round>
+# .{json,md}, variant "co" = the checkout. The decode phase prints each run's table, then
+# tools/ab_table.py's medians over all rounds so far and ratios to the first NAME, and leaves
+# $OUT/ab_table.md and $OUT/ab_results.tgz (every file of $AB). KBIT_GIT_COMMIT names the
+# checkout's commit.
 set -uo pipefail
-OUT=${OUT:-/tmp/kbit-out}; mkdir -p "$OUT/ab"
+OUT=${OUT:-/tmp/kbit-out} AB=${AB:-/tmp/kbit-ab}; mkdir -p "$OUT" "$AB"
 export PYTHONUNBUFFERED=1 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} KBIT_SKIP_CXX_ERROR_TESTS=1
 T0=$SECONDS
 phase=${1:-}; shift || true
@@ -20,11 +23,11 @@ case "$phase" in
     build)
         # 16 cores: 8 nvcc jobs per build when there are two, fewer with more variants
         jobs=$(( 16 / ($# + 1) )); [ $jobs -lt 2 ] && jobs=2
-        for v in "$@"; do MAX_JOBS=$jobs bash tools/ab_base.sh build "$v" > "$OUT/ab/build_$v.log" 2>&1 & done
+        for v in "$@"; do MAX_JOBS=$jobs bash tools/ab_base.sh build "$v" > "$AB/build_$v.log" 2>&1 & done
         if ! python3 -c "import vllm_kbit._C" 2>/dev/null; then
             TORCH_CUDA_ARCH_LIST=9.0a MAX_JOBS=$jobs NVCC_THREADS=2 python3 -m pip install \
-                --no-build-isolation --no-deps --no-index -e . > "$OUT/ab/build_co.log" 2>&1 \
-                || { tail -30 "$OUT/ab/build_co.log"; exit 1; }
+                --no-build-isolation --no-deps --no-index -e . > "$AB/build_co.log" 2>&1 \
+                || { tail -30 "$AB/build_co.log"; exit 1; }
         fi
         wait
         for v in "$@"; do
@@ -34,23 +37,27 @@ case "$phase" in
         echo "build done $((SECONDS - T0))s"
         ;;
     decode)
-        for r in $(seq 1 "${ROUNDS:-2}"); do
+        done_rounds=$(ls "$AB"/bench_moe_ab_co*.json 2>/dev/null | wc -l)  # earlier calls' rounds
+        for r in $(seq $((done_rounds + 1)) $((done_rounds + ${ROUNDS:-2}))); do
             for v in "$@" co; do
                 pp=""; [ "$v" != co ] && pp=$PWD/.ab/$v
                 commit=${KBIT_GIT_COMMIT:-checkout}; [ "$v" != co ] && commit=$(cat .ab/$v/REF)
                 PYTHONPATH=$pp KBIT_GIT_COMMIT=$commit timeout 200 python3 benchmarks/bench_moe.py \
                     --shapes qwen3 --bits 2,4,5 --m 1,2,4,8,16 --baselines none \
-                    --kbit-paths auto --out "$OUT/ab" --tag "ab_$v$r" --time-budget-s 150 \
-                    > "$OUT/ab/moe_$v$r.log" 2>&1
+                    --kbit-paths auto --out "$AB" --tag "ab_$v$r" --time-budget-s 150 \
+                    > "$AB/moe_$v$r.log" 2>&1
                 echo "== moe $v round $r rc=$? $((SECONDS - T0))s"
-                grep -E "^\|" "$OUT/ab/bench_moe_ab_$v$r.md" 2>/dev/null | head -20
+                grep -E "^\|" "$AB/bench_moe_ab_$v$r.md" 2>/dev/null | head -20
                 PYTHONPATH=$pp KBIT_GIT_COMMIT=$commit timeout 200 python3 benchmarks/bench_linear.py \
-                    --models 8b --bits 2,4 --m 1,4,8 --baselines fp16 --out-dir "$OUT/ab" \
-                    --tag "ab_$v$r" --time-budget-s 150 > "$OUT/ab/linear_$v$r.log" 2>&1
+                    --models 8b --bits 2,4 --m 1,4,8 --baselines fp16 --out-dir "$AB" \
+                    --tag "ab_$v$r" --time-budget-s 150 > "$AB/linear_$v$r.log" 2>&1
                 echo "== linear $v round $r rc=$? $((SECONDS - T0))s"
-                grep -E "^\|" "$OUT/ab/bench_linear_*_ab_$v$r.md" 2>/dev/null | head -30
+                grep -E "^\|" "$AB"/bench_linear_*_ab_"$v$r".md 2>/dev/null | head -30
             done
         done
+        # all rounds so far (earlier calls' files included): medians and ratios to the first NAME
+        python3 tools/ab_table.py "$AB" "$@" co --out "$OUT/ab_table.md"
+        tar czf "$OUT/ab_results.tgz" -C "$AB" .
         ;;
     *)
         echo "usage: tools/gpu_ab.sh build NAME... | decode NAME..." >&2
