@@ -8,8 +8,8 @@
 #   GPU (run with carry [".ab/base", ...]), next to the usual build of the checkout:
 #          bash tools/ab_base.sh build [NAME] &      # builds .ab/NAME in place (sm_90a, 8 jobs)
 #          <pip install -e . as usual>; wait
-#          PYTHONPATH=$PWD/.ab/base python3 benchmarks/bench_moe.py ... --tag _A1   # REF
-#          python3 benchmarks/bench_moe.py ... --tag _B1                            # checkout
+#          PYTHONPATH=$PWD/.ab/base${PYTHONPATH:+:$PYTHONPATH} python3 benchmarks/... # REF
+#          python3 benchmarks/...                                           # checkout
 #   Run scripts by path (`python3 benchmarks/x.py`: sys.path[0] is the script's folder); `python3
 #   -c` or `-m` in the repo root puts the checkout first. Each run's JSON records the commit it
 #   was given (KBIT_GIT_COMMIT); `which` prints the vllm_kbit._C that a PYTHONPATH imports.

@@ -40,7 +40,8 @@ case "$phase" in
         done_rounds=$(ls "$AB"/bench_moe_ab_co*.json 2>/dev/null | wc -l)  # earlier calls' rounds
         for r in $(seq $((done_rounds + 1)) $((done_rounds + ${ROUNDS:-2}))); do
             for v in "$@" co; do
-                pp=""; [ "$v" != co ] && pp=$PWD/.ab/$v
+                # prepended: a sourced vLLM env (/opt/vsite/env.sh) keeps its own PYTHONPATH entries
+                pp=${PYTHONPATH:-}; [ "$v" != co ] && pp=$PWD/.ab/$v${pp:+:$pp}
                 commit=${KBIT_GIT_COMMIT:-checkout}; [ "$v" != co ] && commit=$(cat .ab/$v/REF)
                 PYTHONPATH=$pp KBIT_GIT_COMMIT=$commit timeout 200 python3 benchmarks/bench_moe.py \
                     --shapes qwen3 --bits 2,4,5 --m 1,2,4,8,16 --baselines none \
