@@ -19,6 +19,8 @@ A method is ``kbitK`` (online k-bit), ``kbitKlm`` (the same with the lm_head qua
 config key ``quantize_lm_head``), either of them + ``pdl`` (run with ``KBIT_PDL=1``: the GEMV
 uses programmatic dependent launch; no other method sees that variable) or anything else (the
 unquantized model in ``--dtype``); the first unquantized method is the baseline of the table.
+Any method + ``@NAME`` runs with the build in ``.ab/NAME`` (tools/ab_base.sh: another git ref),
+e.g. ``--methods bf16,kbit4@base,kbit4`` times main's build against the checkout's in one run.
 """
 
 from __future__ import annotations
@@ -75,21 +77,31 @@ KBIT_METHOD = re.compile(r"kbit([2-5])(lm)?(pdl)?")
 
 
 def kbit_config(method: str) -> dict:
-    """``kbitK[lm][pdl]`` -> the ``quantization_config`` passed through ``hf_overrides``
-    (``lm``: quantize the lm_head too; ``pdl``: the same config, run with ``KBIT_PDL=1``)."""
-    m = KBIT_METHOD.fullmatch(method)
+    """``kbitK[lm][pdl][@NAME]`` -> the ``quantization_config`` passed through ``hf_overrides``
+    (``lm``: quantize the lm_head too; ``pdl``: the same config, run with ``KBIT_PDL=1``;
+    ``@NAME``: the same config, run with another build, see method_env)."""
+    m = KBIT_METHOD.fullmatch(method.partition("@")[0])
     if m is None:
         raise ValueError(f"bench_e2e: method {method!r} is not kbitK[lm][pdl] with K in 2..5")
     return {"quant_method": "kbit", "bits": int(m.group(1)), "quantize_lm_head": m.group(2) is not None}
 
 
-def method_env(method: str) -> dict[str, str]:
+def method_env(method: str, ab_root: Path = HERE.parent / ".ab") -> dict[str, str]:
     """Environment of a method's worker: ``...pdl`` methods launch the GEMV with programmatic
-    dependent launch (``KBIT_PDL=1``), every other method without it."""
+    dependent launch (``KBIT_PDL=1``), every other method without it. ``METHOD@NAME`` imports
+    vllm_kbit from ``.ab/NAME`` (a build of another git ref, tools/ab_base.sh; prepended to
+    PYTHONPATH, which vLLM's engine process inherits): end-to-end A/B of two builds in one run."""
     env = {k: v for k, v in os.environ.items() if k != "KBIT_PDL"}
-    m = KBIT_METHOD.fullmatch(method)
+    base, _, variant = method.partition("@")
+    m = KBIT_METHOD.fullmatch(base)
     if m is not None and m.group(3):
         env["KBIT_PDL"] = "1"
+    if variant:
+        d = ab_root / variant
+        if not (d / "vllm_kbit").is_dir():
+            raise ValueError(f"bench_e2e: method {method!r}: no build at {d} (tools/ab_base.sh "
+                             f"export REF {variant}, then build it)")  # fmt: skip
+        env["PYTHONPATH"] = str(d) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
 
 
@@ -271,6 +283,7 @@ def main(argv: list[str] | None = None) -> None:
     for m in methods:  # a typo fails here, not after the baseline has run
         if m.startswith("kbit"):
             kbit_config(m)
+        method_env(m)  # @NAME: its build exists
     if res is None:
         meta = versions() | {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                              "command": " ".join([Path(sys.argv[0]).name] + (argv or sys.argv[1:])),

@@ -842,3 +842,20 @@ def test_bench_e2e_method_env(monkeypatch):
     assert method_env("kbit2lmpdl")["KBIT_PDL"] == "1"
     for m in ("fp16", "kbit4", "kbit4lm"):
         assert "KBIT_PDL" not in method_env(m)
+
+
+def test_bench_e2e_ab_variant(monkeypatch, tmp_path):
+    """``METHOD@NAME`` runs the worker with .ab/NAME's vllm_kbit first on PYTHONPATH (kept
+    entries after it), the config of METHOD; a missing build is refused by name before any run."""
+    from bench_e2e import kbit_config, method_env
+
+    (tmp_path / "base" / "vllm_kbit").mkdir(parents=True)
+    monkeypatch.setenv("PYTHONPATH", "/opt/vsite")
+    env = method_env("kbit4pdl@base", ab_root=tmp_path)
+    assert env["PYTHONPATH"] == f"{tmp_path / 'base'}:/opt/vsite" and env["KBIT_PDL"] == "1"
+    assert method_env("kbit4", ab_root=tmp_path)["PYTHONPATH"] == "/opt/vsite"
+    monkeypatch.delenv("PYTHONPATH")
+    assert method_env("bf16@base", ab_root=tmp_path)["PYTHONPATH"] == str(tmp_path / "base")
+    assert kbit_config("kbit2lm@base") == kbit_config("kbit2lm")
+    with pytest.raises(ValueError, match="no build at .*nope"):
+        method_env("kbit4@nope", ab_root=tmp_path)
