@@ -66,13 +66,13 @@
 #include <mutex>
 #include <type_traits>
 
+#include "gemv_runs.cuh"
 #include "kbit_format.cuh"
 #include "ops.h"
 
 namespace kbit {
 namespace {
 
-constexpr int kWarps = 16;  // one CTA per SM: the table is filled once per SM
 constexpr int kThreads = kWarps * 32;
 // Tiles per warp in registers (kPrefetch - 1 loads in flight while one is computed): per SM
 // 16 warps x 3-5 tiles x 0.6-1.3 KB = 46-64 KB in flight, which covers HBM latency at full rate.
@@ -522,8 +522,6 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_kernel(const Params p, const
     constexpr bool kMoe = kMode != kDense, kDown = kMode == kMoeDown;
     extern __shared__ __align__(16) uint8_t smem[];  // [table][x rows][sums][warp partials]
     __shared__ int is_last;
-    // slot_tile[2w + s]: offset in acc_s of the n-tile whose partial sums warp w's slot s holds
-    __shared__ __align__(16) int slot_tile[kWarps * 2];
     // MoE: local expert (-1: none) and router weight of each slot
     __shared__ int s_e[kMoe ? kMoeMaxSlots : 1];
     __shared__ float s_w[kMoe ? kMoeMaxSlots : 1];
@@ -539,7 +537,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_kernel(const Params p, const
     const int n_cta = static_cast<int>((group + 1) * n_tiles / gr) - n_begin;
     const int k_begin = split * p.k_len, k_len = min(p.k_len, p.k_tiles - k_begin);
     const int units = n_cta * k_len;  // (n-tile, k-tile) pairs, n-major: consecutive in memory
-    const int u0 = warp * units / kWarps, u1 = (warp + 1) * units / kWarps;  // host: no overflow
+    const int u0 = run_begin(warp, units), u1 = run_begin(warp + 1, units);  // host: no overflow
 
     // What the CTA reads before its first MMA is requested at once, in the order it is needed:
     // the codebook, x (unless PDL: x is the previous kernel's output), each warp's first kEarly
@@ -641,9 +639,8 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_kernel(const Params p, const
                                            : lane * 4;
     // A warp adds up one n-tile segment of its run at a time. A segment spanning the n-tile's
     // whole K range is this warp's alone and goes to acc_s; only the first and the last segment
-    // of a run can be partial, they go to the warp's part_s slots 0 and 1 (slot_tile says for
-    // which n-tile, as the offset of its sums in acc_s), and the epilogue adds the slots of an
-    // n-tile in warp order: no atomics, deterministic.
+    // of a run can be partial, they go to the warp's part_s slots 0 and 1, and the epilogue adds
+    // the slots of an n-tile in warp order (gemv_runs.cuh): no atomics, deterministic.
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
     float* acc_tile = acc_s + (u0 / k_len) * kTileN * p.M;  // this n-tile's sums
     float* part = part_s + warp * 2 * kTileN * p.M;
@@ -679,41 +676,43 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_kernel(const Params p, const
         }
     }
     pdl_trigger();  // the weights are streamed: the next kernel may start its prologue
-    if (lane == 0) {  // the loop's choices, for the epilogue: which n-tile each slot holds
-        const int f = u0 / k_len, l = (u1 - 1) / k_len;  // first and last n-tile of the run
-        const bool first_whole = u0 == f * k_len && u1 >= (f + 1) * k_len;
-        const bool last_part = l != f && u1 != (l + 1) * k_len;
-        slot_tile[warp * 2] = u0 < u1 && !first_whole ? f * kTileN * p.M : -1;
-        slot_tile[warp * 2 + 1] = u0 < u1 && last_part ? l * kTileN * p.M : -1;
-    }
     __syncthreads();
 
     // Output rows [16 n_begin, 16 (n_begin + n_cta)) of every token; padding rows >= n are skipped.
+    // Which warps summed a row follows from the deal (gemv_runs.cuh): two divisions, no table and
+    // no search. This code runs once per CTA, usually by one or a few warps, from a cold
+    // instruction cache (the kernel's other ~5k instructions went through it since the last
+    // call): kept short and rolled. An unrolled compare against all 32 slots stalled on
+    // instruction fetch every ~48 instructions (benchmarks/results/ncu_moe_m1_stalls_h100_s13_*).
     const int rows = min(n_cta * kTileN, p.n - n_begin * kTileN), row0 = n_begin * kTileN;
-    int st[kWarps * 2];
-#pragma unroll
-    for (int j = 0; j < kWarps * 2; j += 4) {  // 8 vector loads, not 32 dependent ones
-        const int4 v = *reinterpret_cast<const int4*>(slot_tile + j);
-        st[j] = v.x, st[j + 1] = v.y, st[j + 2] = v.z, st[j + 3] = v.w;
-    }
     T* y = static_cast<T*>(p.y);
-    for (int m = 0; m < p.M; ++m) {
-        for (int r = threadIdx.x; r < rows; r += kThreads) {
-            // No division here: each is a ~100-cycle dependent chain on the critical path.
-            const int tile_off = r / kTileN * kTileN * p.M, rr = r % kTileN;
+    for (int r = threadIdx.x; r < rows; r += kThreads) {
+        // unsigned (r >= 0): / and % by 16 are a shift and a mask
+        const unsigned ur = r, rr = ur % kTileN, a = ur / kTileN * k_len;  // n-tile's first unit
+        const unsigned w_lo = warp_of(a, units), w_hi = warp_of(a + k_len - 1, units);
+        float sw = 1.f;
+        if (kMode == kMoeGateUp && mo.weight_on_input)  // topk == 1: row / 2I = slot
+            sw = s_w[(row0 + r) / (mo.nte * kTileN)];
+#pragma unroll 1
+        for (int m = 0; m < p.M; ++m) {
             float v = 0.f;
-            bool shared = false;
-#pragma unroll
-            for (int j = 0; j < kWarps * 2; ++j) {
-                if (st[j] == tile_off) {
-                    v += part_s[(j * kTileN + rr) * p.M + m];
-                    shared = true;
+            if (w_lo == w_hi) {
+                v = acc_s[r * p.M + m];  // one warp summed the whole n-tile
+            } else {
+                // A counted loop (a `w <= w_hi` loop on unsigned has no trip count for ptxas, which
+                // then checks the exit after every load and serialises them).
+                const int n_w = static_cast<int>(w_hi - w_lo) + 1;
+#pragma unroll 4
+                for (int i = 0; i < n_w; ++i) {
+                    const unsigned w = w_lo + i;
+                    // Loaded unconditionally (an empty run's slot is in bounds, never written,
+                    // and not added): the unrolled loads then issue back to back.
+                    const float s = part_s[(partial_slot(w, a, units) * kTileN + rr) * p.M + m];
+                    if (!run_empty(w, units)) v += s;
                 }
             }
-            if (!shared) v = acc_s[r * p.M + m];  // one warp summed the whole n-tile
             v *= 16.f;  // the absmax were applied as absmax/16
-            if (kMode == kMoeGateUp && mo.weight_on_input)  // topk == 1: row / 2I = slot
-                v *= s_w[(row0 + r) / (mo.nte * kTileN)];
+            if (kMode == kMoeGateUp && mo.weight_on_input) v *= sw;
             if (p.splits == 1)
                 y[int64_t{m} * p.n + row0 + r] = Cvt<T>::out(v);
             else

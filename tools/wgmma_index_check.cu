@@ -5,7 +5,7 @@
 //
 //   nvcc -std=c++17 -Icsrc tools/wgmma_index_check.cu -o /tmp/wgmma_index_check && /tmp/wgmma_index_check
 //
-// (tests/test_wgmma_index.py builds and runs it.) What it checks:
+// (tests/test_index_math.py builds and runs it.) What it checks:
 //  1. descriptor bit fields (PTX matrix-descriptor format, docs/wgmma-plan.md section 2);
 //  2. the x tile: the plan's formula, a model of TMA SWIZZLE_128B (row-major box, then XOR of
 //     address bits [4,7) with [7,10)) and a model of the wgmma reads through our descriptors
