@@ -466,42 +466,45 @@ __device__ __forceinline__ void store_x(uint8_t* xs, const Params& p, int m, int
     for (int t = 0; t < 4; ++t) dst[t] = make_uint4(v.w[0][t], v.w[1][t], v.w[2][t], v.w[3][t]);
 }
 
-// kMoeDown: block bl of the CTA's K' range for token m, = act(gate) * up of slot (m, j) at
-// columns [c, c + 32) of I, computed from h (x.dtype) in fp32 and rounded once, as the reference
-// does. Columns >= I (the expert's padding to whole k-tiles) and slots not on this rank are 0.
+// kMoeDown: half h (columns 16h .. 16h + 15) of block bl of the CTA's K' range for token m, =
+// act(gate) * up of slot (m, j) at those columns of I, computed from h (x.dtype) in fp32 and
+// rounded once, as the reference does, and stored where store_x puts them: pairs 8h + 4q + i =
+// words w[2h + q][i] of the block, i.e. 8 bytes at +16 t + 8 h for lane t. Columns >= I (the
+// expert's padding to whole k-tiles) and slots not on this rank are 0.
 template <typename T>
-__device__ __forceinline__ XJob load_act(const MoeArgs& mo, const int* s_e, int k_begin, int m,
-                                         int bl) {
-    XJob r = {};
+__device__ __forceinline__ void stage_act(uint8_t* xs, const Params& p, const MoeArgs& mo,
+                                          const int* s_e, int k_begin, int m, int bl, int h) {
+    uint32_t w[2][4] = {};
     const int gb = k_begin * kBlocksPerTile + bl, per_expert = mo.kte * kBlocksPerTile;
     const int j = gb / per_expert, col = (gb - j * per_expert) * kBlock;
     const int slot = m * mo.topk + j;
-    if (col >= mo.I || s_e[slot] < 0) return r;
-    // 16-byte aligned: h rows are 2I elements, I % 32 == 0
-    const uint4* g4 = reinterpret_cast<const uint4*>(static_cast<const T*>(mo.h) +
-                                                     int64_t{slot} * 2 * mo.I + col);
-    const uint4* u4 = g4 + mo.I / 8;
-    constexpr bool kBF16 = std::is_same_v<T, __nv_bfloat16>;
+    if (col < mo.I && s_e[slot] >= 0) {
+        // 16-byte aligned: h rows are 2I elements, I % 32 == 0
+        const uint4* g4 = reinterpret_cast<const uint4*>(static_cast<const T*>(mo.h) +
+                                                         int64_t{slot} * 2 * mo.I + col + 16 * h);
+        const uint4* u4 = g4 + mo.I / 8;
+        constexpr bool kBF16 = std::is_same_v<T, __nv_bfloat16>;
 #pragma unroll
-    for (int q = 0; q < 4; ++q) {  // 8 columns = pairs 4q..4q+3 = r.w[.][.] with c = 4q + i
-        const uint4 gv = g4[q], uv = u4[q];
-        const uint32_t gw[4] = {gv.x, gv.y, gv.z, gv.w}, uw[4] = {uv.x, uv.y, uv.z, uv.w};
+        for (int q = 0; q < 2; ++q) {  // 8 columns = pairs 4q .. 4q + 3 of the half
+            const uint4 gv = g4[q], uv = u4[q];
+            const uint32_t gw[4] = {gv.x, gv.y, gv.z, gv.w}, uw[4] = {uv.x, uv.y, uv.z, uv.w};
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            float2 gf, uf;
-            if constexpr (kBF16) {
-                gf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&gw[i]));
-                uf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&uw[i]));
-            } else {
-                gf = __half22float2(*reinterpret_cast<const __half2*>(&gw[i]));
-                uf = __half22float2(*reinterpret_cast<const __half2*>(&uw[i]));
+            for (int i = 0; i < 4; ++i) {
+                float2 gf, uf;
+                if constexpr (kBF16) {
+                    gf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&gw[i]));
+                    uf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&uw[i]));
+                } else {
+                    gf = __half22float2(*reinterpret_cast<const __half2*>(&gw[i]));
+                    uf = __half22float2(*reinterpret_cast<const __half2*>(&uw[i]));
+                }
+                w[q][i] = pack2<kBF16>(act_fn(gf.x, mo.act) * uf.x, act_fn(gf.y, mo.act) * uf.y);
             }
-            const int c = 4 * q + i;  // column pair c = cols 2c, 2c + 1 = word c % 4 of w[c / 4]
-            r.w[c >> 2][c & 3] = pack2<kBF16>(act_fn(gf.x, mo.act) * uf.x,
-                                              act_fn(gf.y, mo.act) * uf.y);
         }
     }
-    return r;
+    uint8_t* dst = xs + m * p.xrow + bl * 64 + h * 8;
+#pragma unroll
+    for (int t = 0; t < 4; ++t) *reinterpret_cast<uint2*>(dst + t * 16) = make_uint2(w[0][t], w[1][t]);
 }
 
 // Stores a warp's sums for one n-tile (rows g, g+8; tokens 2t, 2t+1) into rows[16][M].
@@ -611,10 +614,20 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_kernel(const Params p, const
     // prologue overlaps the previous kernel's tail; x is that kernel's output.
     pdl_wait();
     uint8_t* xs_s = smem + p.table_bytes;
-    if constexpr (kDown) {  // x' = act(gate) * up of the slots, from h (the previous kernel's)
-        for (int m = 0; m < p.Mx; ++m)
-            for (int bl = threadIdx.x; bl < nblk; bl += kThreads)
-                store_x(xs_s, p, m, bl, load_act<T>(mo, s_e, k_begin, m, bl));
+    if constexpr (kDown) {
+        // x' = act(gate) * up of the slots, from h (the previous kernel's output), one half block
+        // of one token per job, the jobs (token m, half block hb) dealt to all threads: at T = 1
+        // Qwen3's 192 blocks were 192 jobs of ~30 dependent instructions per column on 6 warps,
+        // 320 threads idle (and each further token another such round), right before the loop.
+        const int halves = 2 * nblk;
+        for (int m = 0, hb = threadIdx.x; m < p.Mx;) {  // job m * halves + hb, by counters
+            if (hb < halves) {
+                stage_act<T>(xs_s, p, mo, s_e, k_begin, m, hb >> 1, hb & 1);
+                hb += kThreads;
+            } else {
+                hb -= halves, ++m;
+            }
+        }
     } else {
         if (p.pdl && has_x) xj = load_x<T>(p, k_begin, 0, threadIdx.x);
         if (has_x) store_x(xs_s, p, 0, threadIdx.x, xj);
