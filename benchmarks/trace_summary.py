@@ -26,9 +26,11 @@ FAMILIES: list[tuple[str, re.Pattern]] = [
         ("kbit MoE down GEMV", r"gemv_kernel<\d, [^,]+, 2>"),
         ("kbit other", r"kbit::"),
         ("attention", r"(?i)flash|fmha|attn|attention|paged"),
+        # before the MoE pattern: inductor names the fused residual-add + RMSNorm in front of a
+        # MoE block "..._rms_norm_moe_forward_0"
+        ("norm", r"(?i)norm"),
         ("MoE routing / unquantized experts", r"(?i)topk|moe|expert|align_block"),
         ("GEMM (cuBLAS / CUTLASS)", r"(?i)gemm|nvjet|cutlass|xmma|cublas|splitk|gemv"),
-        ("norm", r"(?i)norm"),
         ("rotary", r"(?i)rotary|rope"),
         ("sampling", r"(?i)argmax|sampl|softmax|penalt|gumbel"),
         ("triton (inductor fused)", r"^triton_"),

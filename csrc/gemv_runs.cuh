@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // How kbit::gemv (gemv.cuh) deals a CTA's work to its warps, and where the epilogue finds the
 // sums: pure index math, compiled for the device and for the host check
-// tools/gemv_runs_check.cu (tests/test_gemv_runs.py), which runs it against a model of the
+// tools/gemv_runs_check.cu (tests/test_index_math.py), which runs it against a model of the
 // kernel's main loop. No torch headers here.
 //
 // A CTA owns `units` = n_cta x k_len (n-tile, k-tile) pairs, n-major. Warp w streams the

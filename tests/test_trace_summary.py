@@ -49,6 +49,8 @@ def test_families():
     assert ts.family("void vllm::moe::topkGatingSoftmax<float>") == "MoE routing / unquantized experts"
     assert ts.family("nvjet_tst_64x8") == "GEMM (cuBLAS / CUTLASS)"
     assert ts.family("triton_poi_fused_add_rms_norm_0") == "norm"  # family before inductor
+    # seen in a vLLM Qwen3-MoE trace: a norm, although its name ends in the MoE op's
+    assert ts.family("triton_red_fused_fused_add_rms_norm_moe_forward_0") == "norm"
     assert ts.family("triton_poi_fused_mul_silu_1") == "triton (inductor fused)"
     assert ts.family("anything", cat="gpu_memset") == "copy / memset"
     assert ts.family("some_elementwise_kernel") == "other"
