@@ -6,6 +6,8 @@
 #   bash tools/gpu_ab.sh build NAME...          # .ab/NAME... and the checkout, in parallel
 #   ROUNDS=2 bash tools/gpu_ab.sh decode NAME...   # decode paths: MoE layer (Qwen3-30B-A3B, k=2,4,5,
 #                                               # M=1..16), dense GEMV (8B, k=2,4, M=1,4,8)
+#   ROUNDS=2 bash tools/gpu_ab.sh mid NAME...      # dense mid-size M (mma / wgmma kernels, split-K):
+#                                               # 8B + 70B, k=2,4, M = $MID_M, results in $AB-mid
 #
 # Results in $AB (default /tmp/kbit-ab, kept while the machine stays warm, so rounds of several
 # calls add up): bench_moe_ab_<variant><round>.{json,md} and bench_linear_<gpu>_ab_<variant><round>
@@ -60,8 +62,24 @@ case "$phase" in
         python3 tools/ab_table.py "$AB" "$@" co --out "$OUT/ab_table.md"
         tar czf "$OUT/ab_results.tgz" -C "$AB" .
         ;;
+    mid)
+        AB=$AB-mid; mkdir -p "$AB"
+        done_rounds=$(ls "$AB"/bench_linear_*_ab_co*.json 2>/dev/null | wc -l)
+        for r in $(seq $((done_rounds + 1)) $((done_rounds + ${ROUNDS:-2}))); do
+            for v in "$@" co; do
+                pp=${PYTHONPATH:-}; [ "$v" != co ] && pp=$PWD/.ab/$v${pp:+:$pp}
+                commit=${KBIT_GIT_COMMIT:-checkout}; [ "$v" != co ] && commit=$(cat .ab/$v/REF)
+                PYTHONPATH=$pp KBIT_GIT_COMMIT=$commit timeout 250 python3 benchmarks/bench_linear.py \
+                    --models 8b,70b --bits 2,4 --m "${MID_M:-16,32,48,64,96,128,256}" --baselines fp16 \
+                    --out-dir "$AB" --tag "ab_$v$r" --time-budget-s 200 > "$AB/linear_$v$r.log" 2>&1
+                echo "== linear $v round $r rc=$? $((SECONDS - T0))s"
+            done
+        done
+        python3 tools/ab_table.py "$AB" "$@" co --out "$OUT/ab_mid_table.md"
+        tar czf "$OUT/ab_mid_results.tgz" -C "$AB" .
+        ;;
     *)
-        echo "usage: tools/gpu_ab.sh build NAME... | decode NAME..." >&2
+        echo "usage: tools/gpu_ab.sh build NAME... | decode NAME... | mid NAME..." >&2
         exit 2
         ;;
 esac
