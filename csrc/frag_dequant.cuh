@@ -45,10 +45,8 @@ constexpr int kOutRow = kGroupRows + 4;  // floats per token row of the epilogue
 constexpr int kMaxSplits = 8;            // portable thread-block cluster size
 constexpr int kMaxStages = 4;
 
-// How the split-K partial sums of an output tile are combined: none (one split), DSMEM in a
-// cluster, fp32 workspace + splitk_reduce_kernel, fp32 workspace added by the tile's last CTA
-// (splitk.cuh; mma.cu and wgmma_gemm.cu).
-enum Mode : int { kDirect = 0, kCluster = 1, kWorkspace = 2, kSerial = 3 };
+// How the split-K partial sums of an output tile are combined.
+enum Mode : int { kDirect = 0, kCluster = 1, kWorkspace = 2 };
 
 // Shared-memory bytes of one pipeline stage and of the epilogue tile (aliases the ring).
 template <int BITS, int TM>

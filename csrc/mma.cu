@@ -19,9 +19,7 @@
 //    the 32 random lookups of a warp hit 32 different banks.
 //  * Split-K over CTAs when n-tiles x token tiles do not fill the GPU (<= 8 splits). sm_90: the
 //    splits of one output tile form a thread-block cluster and reduce through distributed shared
-//    memory where the clusters fit in as few waves as plain CTAs (use_cluster); otherwise fp32
-//    partials [S, M, n] that the last CTA of each tile adds up (splitk.cuh), or, where no
-//    counters are available, a reduce kernel. All three add in split order: the same bits.
+//    memory (one kernel, deterministic); older GPUs: fp32 partials [S, M, n] plus a reduce kernel.
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -38,7 +36,6 @@
 #include "frag_dequant.cuh"
 #include "kbit_format.cuh"
 #include "ops.h"
-#include "splitk.cuh"
 
 namespace kbit {
 namespace {
@@ -52,8 +49,7 @@ struct Params {
     const uint8_t* am;     // tiled absmax
     const float* cb;       // [2^bits]
     void* y;               // [M, n]
-    float* ws;             // [splits, M, n] (kWorkspace, kSerial)
-    unsigned* counters;    // kSerial: arrivals per output tile (splitk.cuh), zero between launches
+    float* ws;             // [splits, M, n] (kWorkspace)
     int M, n, K, n_tiles, k_tiles, kchunk, splits, stages, mode, copies_log2;
     int ring_off;          // smem bytes before the ring: table + 64 (the table is 64-aligned)
 };
@@ -192,25 +188,14 @@ __global__ void __launch_bounds__(kThreads, TM <= 32 ? 2 : 1) mma_kernel(const P
         return;
     }
     __syncthreads();
-    const int64_t plane = static_cast<int64_t>(p.M) * p.n;
-    float* ws = p.mode != kDirect ? p.ws + blockIdx.y * plane : nullptr;  // this split's partials
+    float* ws =  // this split's fp32 partials
+        p.mode == kWorkspace ? p.ws + static_cast<int64_t>(blockIdx.y) * p.M * p.n : nullptr;
     for (int u = tid; u < kUnits; u += kThreads) {
         const int tok = u / kRowUnits, r4 = (u % kRowUnits) * 4;
         if (tok >= m_valid) continue;
         const float4 v = *reinterpret_cast<const float4*>(out + tok * kOutRow + r4);
         if (p.mode == kDirect) store_y<BF16>(p.y, m0 + tok, n0 + r4, p.n, v);
         else store_ws(ws, m0 + tok, n0 + r4, p.n, v);
-    }
-    if (p.mode != kSerial) return;
-    __shared__ int last;
-    if (!splitk::arrive(p.counters + blockIdx.z * gridDim.x + blockIdx.x, p.splits, tid == 0,
-                        &last, [] { __syncthreads(); }))
-        return;
-    for (int u = tid; u < kUnits; u += kThreads) {  // the last split: y = sum of all, in order
-        const int tok = u / kRowUnits, r4 = (u % kRowUnits) * 4;
-        if (tok >= m_valid) continue;
-        store_y<BF16>(p.y, m0 + tok, n0 + r4, p.n,
-                      splitk::sum4(p.ws, plane, p.splits, m0 + tok, n0 + r4, p.n));
     }
 }
 
@@ -244,17 +229,11 @@ void run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& absma
         splits = std::min({forced, kMaxSplits, k_tiles});
     const int kchunk = static_cast<int>(ceil_div(k_tiles, splits));
     splits = static_cast<int>(ceil_div(k_tiles, kchunk));
-    int mode = splits == 1                                                    ? kDirect
-               : use_cluster(c.clusters, double(n_groups) * m_tiles, splits, slots) ? kCluster
-                                                                                    : kWorkspace;
-    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-    unsigned* counters = nullptr;
-    if (mode == kWorkspace) {
-        counters = splitk::counters(x.get_device(), stream, int64_t{n_groups} * m_tiles);
-        if (counters) mode = kSerial;
-    }
+    const int mode = splits == 1                                                    ? kDirect
+                     : use_cluster(c.clusters, double(n_groups) * m_tiles, splits, slots) ? kCluster
+                                                                                          : kWorkspace;
     at::Tensor ws;
-    if (mode >= kWorkspace) ws = at::empty({splits, M, s.n}, x.options().dtype(at::kFloat));
+    if (mode == kWorkspace) ws = at::empty({splits, M, s.n}, x.options().dtype(at::kFloat));
 
     Params p{};
     p.x = static_cast<const uint8_t*>(x.data_ptr());
@@ -263,13 +242,13 @@ void run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& absma
     p.am = absmax.data_ptr<uint8_t>();
     p.cb = codebook.data_ptr<float>();
     p.y = y.data_ptr();
-    p.ws = mode >= kWorkspace ? ws.data_ptr<float>() : nullptr;
-    p.counters = counters;
+    p.ws = mode == kWorkspace ? ws.data_ptr<float>() : nullptr;
     p.M = M, p.n = static_cast<int>(s.n), p.K = static_cast<int>(s.k);
     p.n_tiles = static_cast<int>(s.n_tiles), p.k_tiles = k_tiles;
     p.kchunk = kchunk, p.splits = splits, p.stages = c.stages, p.mode = mode;
     p.copies_log2 = c.copies_log2, p.ring_off = c.table_bytes + 64;
 
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
     launch_kernel(mma_kernel<BITS, TM, BF16, WG>, dim3(n_groups, splits, m_tiles), kThreads, c.smem,
                   stream, mode == kCluster ? splits : 1, false, p);
     if (mode == kWorkspace) {

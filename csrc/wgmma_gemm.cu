@@ -21,17 +21,11 @@ void run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& absma
     if (const int forced = env_int("KBIT_MMA_SPLITS", 0); forced > 0) want = std::min(forced, kMaxSplits);
     const wg::SplitPlan sp = wg::split_plan(k_tiles, want);
     const int kchunk = sp.kchunk, splits = sp.splits;
-    int mode = splits == 1                                                       ? kDirect
-               : use_cluster(c.clusters, double(n_groups) * m_tiles, splits, c.sms) ? kCluster
-                                                                                       : kWorkspace;
-    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-    unsigned* counters = nullptr;
-    if (mode == kWorkspace) {  // the last CTA of each tile adds the partials (splitk.cuh)
-        counters = splitk::counters(x.get_device(), stream, int64_t{n_groups} * m_tiles);
-        if (counters) mode = kSerial;
-    }
+    const int mode = splits == 1                                                       ? kDirect
+                     : use_cluster(c.clusters, double(n_groups) * m_tiles, splits, c.sms) ? kCluster
+                                                                                             : kWorkspace;
     at::Tensor ws;
-    if (mode >= kWorkspace) ws = at::empty({splits, M, s.n}, x.options().dtype(at::kFloat));
+    if (mode == kWorkspace) ws = at::empty({splits, M, s.n}, x.options().dtype(at::kFloat));
 
     WgParams p{};
     p.xmap = x_tensor_map(x, TN);
@@ -39,13 +33,13 @@ void run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& absma
     p.am = absmax.data_ptr<uint8_t>();
     p.cb = codebook.data_ptr<float>();
     p.y = y.data_ptr();
-    p.ws = mode >= kWorkspace ? ws.data_ptr<float>() : nullptr;
-    p.counters = counters;
+    p.ws = mode == kWorkspace ? ws.data_ptr<float>() : nullptr;
     p.M = M, p.n = static_cast<int>(s.n), p.K = static_cast<int>(s.k);
     p.n_tiles = static_cast<int>(s.n_tiles), p.k_tiles = k_tiles;
     p.kchunk = kchunk, p.splits = splits, p.stages = c.stages, p.mode = mode;
     p.copies_log2 = c.copies_log2, p.table_bytes = c.table_bytes;
 
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
     launch_kernel(wgmma_gemm_kernel<BITS, RWG, TN, BF16>, dim3(n_groups, splits, m_tiles),
                   wg::kThreads, c.smem, stream, mode == kCluster ? splits : 1, false, p,
                   WgMoe{});

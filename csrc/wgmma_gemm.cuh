@@ -51,7 +51,6 @@
 #include "frag_dequant.cuh"
 #include "kbit_format.cuh"
 #include "ops.h"
-#include "splitk.cuh"
 #include "wgmma_sm90.cuh"
 
 namespace kbit {
@@ -71,8 +70,7 @@ struct WgParams {
     const uint8_t* am;  // tiled absmax
     const float* cb;    // [2^bits]
     void* y;            // [M, n]
-    float* ws;          // [splits, M, n] (kWorkspace, kSerial)
-    unsigned* counters; // kSerial: arrivals per output tile (splitk.cuh), zero between launches
+    float* ws;          // [splits, M, n] (kWorkspace)
     int M, n, K, n_tiles, k_tiles, kchunk, splits, stages, mode, copies_log2, table_bytes;
 };
 
@@ -392,25 +390,13 @@ __global__ void __launch_bounds__(wg::kThreads, 1)
         return;
     }
     wg::named_barrier(1, 256);
-    const int64_t plane = static_cast<int64_t>(p.M) * p.n;
-    float* ws = p.mode != kDirect ? p.ws + blockIdx.y * plane : nullptr;  // this split's partials
+    float* ws = p.mode == kWorkspace ? p.ws + static_cast<int64_t>(blockIdx.y) * p.M * p.n : nullptr;
     for (int u = ctid; u < kUnits; u += 256) {
         const int tok = u / kRowUnits, r4 = (u % kRowUnits) * 4;
         if (tok >= m_valid) continue;
         const float4 v = *reinterpret_cast<const float4*>(out + tok * L::kOutRow + r4);
         if (p.mode == kDirect) store_y<BF16>(p.y, m0 + tok, n0 + r4, p.n, v);
         else store_ws(ws, m0 + tok, n0 + r4, p.n, v);
-    }
-    if (p.mode != kSerial) return;
-    __shared__ int last;  // the consumers (named barrier 1) count the CTA in; the producer is done
-    if (!splitk::arrive(p.counters + blockIdx.z * gridDim.x + blockIdx.x, p.splits, ctid == 0,
-                        &last, [] { wg::named_barrier(1, 256); }))
-        return;
-    for (int u = ctid; u < kUnits; u += 256) {  // the last split: y = sum of all, in order
-        const int tok = u / kRowUnits, r4 = (u % kRowUnits) * 4;
-        if (tok >= m_valid) continue;
-        store_y<BF16>(p.y, m0 + tok, n0 + r4, p.n,
-                      splitk::sum4(p.ws, plane, p.splits, m0 + tok, n0 + r4, p.n));
     }
 #else
     (void)p;

@@ -106,7 +106,6 @@ def _wgmma_env(monkeypatch, wg: str) -> None:
         "KBIT_MMA_SPLITS",
         "KBIT_MMA_NO_CLUSTER",
         "KBIT_MMA_FORCE_CLUSTER",
-        "KBIT_MMA_NO_SERIAL",
     ):
         monkeypatch.delenv(var, raising=False)
 
@@ -196,70 +195,36 @@ def test_strided_and_misaligned_x(monkeypatch, wg: str, m: int) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m", [5, 16, 64])
 def test_split_k_paths(monkeypatch, m: int, dtype: torch.dtype) -> None:
-    # Forced split counts, cluster (sm_90), last-CTA (serial) and reduce-kernel (workspace)
-    # reductions: all correct, and all add the partials in the same order: the same bits.
+    # Forced split counts, cluster (sm_90) and workspace reductions: all correct, and the two
+    # reductions add the partials in the same order, so they agree bit for bit.
     n, k, bits = 512, 4096, 3
     qt, at, cb, w32 = _quantized(n, k, bits)
     x = _x(m, k, dtype)
-    monkeypatch.delenv("KBIT_MMA_NO_SERIAL", raising=False)
     for splits in [1, 2, 3, 8]:
         monkeypatch.setenv("KBIT_MMA_SPLITS", str(splits))
         monkeypatch.delenv("KBIT_MMA_NO_CLUSTER", raising=False)
-        y = _mma(x, qt, at, cb, bits, n)  # by cluster packing: cluster or serial
+        y = _mma(x, qt, at, cb, bits, n)  # by cluster packing: cluster or workspace
         _check(y, x, w32)
         assert torch.equal(_mma(x, qt, at, cb, bits, n), y)  # deterministic
         monkeypatch.setenv("KBIT_MMA_FORCE_CLUSTER", "1")  # cluster wherever the GPU has them
         assert torch.equal(_mma(x, qt, at, cb, bits, n), y)
         monkeypatch.delenv("KBIT_MMA_FORCE_CLUSTER")
         monkeypatch.setenv("KBIT_MMA_NO_CLUSTER", "1")
-        for _ in range(3):  # serial: the tile counters are left at zero for the next launch
-            assert torch.equal(_mma(x, qt, at, cb, bits, n), y)
-        monkeypatch.setenv("KBIT_MMA_NO_SERIAL", "1")
         assert torch.equal(_mma(x, qt, at, cb, bits, n), y)
-        monkeypatch.delenv("KBIT_MMA_NO_SERIAL")
-
-
-@pytest.mark.parametrize("wg", ["0", pytest.param("2", marks=wgmma)])
-def test_serial_split_k_two_streams(monkeypatch, wg: str) -> None:
-    # Launches on two streams at once take separate counter slices: interleaved, unsynchronised
-    # calls of two shapes on two streams each give the single-stream result.
-    _wgmma_env(monkeypatch, wg)
-    monkeypatch.setenv("KBIT_MMA_SPLITS", "4")
-    monkeypatch.setenv("KBIT_MMA_NO_CLUSTER", "1")
-    cases = []
-    for n, k, m in [(1024, 4096, 48), (300, 2048, 100)]:
-        qt, at, cb, w32 = _quantized(n, k, 4, device="cuda")
-        x = _x(m, k, torch.float16, seed=n)
-        y = _mma(x, qt, at, cb, 4, n)
-        _check(y, x, w32)
-        cases.append((x, qt, at, cb, n, y))
-    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
-    for s in streams:
-        s.wait_stream(torch.cuda.current_stream())
-    outs = []
-    for _ in range(8):
-        for s, (x, qt, at, cb, n, _y) in zip(streams, cases):
-            with torch.cuda.stream(s):
-                outs.append((s, _mma(x, qt, at, cb, 4, n)))
-    torch.cuda.synchronize()
-    for i, (_s, y) in enumerate(outs):
-        assert torch.equal(y, cases[i % 2][5]), f"call {i}"
 
 
 @pytest.mark.parametrize(
     "wg", ["0", pytest.param("1", marks=wgmma), pytest.param("2", marks=wgmma)]
 )
-@pytest.mark.parametrize("reduction", ["cluster", "serial", "workspace"])
+@pytest.mark.parametrize("reduction", ["cluster", "workspace"])
 @pytest.mark.parametrize("m", [16, 64, 100, 200])
 def test_cuda_graph_replay_equals_eager(monkeypatch, m: int, reduction: str, wg: str) -> None:
     # "1": the first wgmma variant for M > 32; "2": the warp-specialized kernel (any M)
     _wgmma_env(monkeypatch, wg)
-    # split-K: cluster (wherever the GPU has them), last CTA (serial) or reduce kernel
+    # split-K: cluster (wherever the GPU has them) or workspace path
     monkeypatch.setenv(
         "KBIT_MMA_FORCE_CLUSTER" if reduction == "cluster" else "KBIT_MMA_NO_CLUSTER", "1"
     )
-    if reduction == "workspace":
-        monkeypatch.setenv("KBIT_MMA_NO_SERIAL", "1")
     n, k, bits = 1024, 2048, 4
     qt, at, cb, _ = _quantized(n, k, bits)
     static_x = _x(m, k, torch.float16)
@@ -501,11 +466,7 @@ def test_ws_split_k_paths(ws, m: int, config: str, dtype: torch.dtype) -> None:
         assert torch.equal(_mma(x, qt, at, cb, bits, n), y)
         ws.delenv("KBIT_MMA_FORCE_CLUSTER")
         ws.setenv("KBIT_MMA_NO_CLUSTER", "1")
-        for _ in range(3):  # serial (last CTA adds): counters left at zero
-            assert torch.equal(_mma(x, qt, at, cb, bits, n), y)
-        ws.setenv("KBIT_MMA_NO_SERIAL", "1")  # reduce kernel
         assert torch.equal(_mma(x, qt, at, cb, bits, n), y)
-        ws.delenv("KBIT_MMA_NO_SERIAL")
 
 
 @wgmma
