@@ -21,6 +21,26 @@ export PYTHONUNBUFFERED=1 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} KBIT_SKIP_CXX_
 T0=$SECONDS
 phase=${1:-}; shift || true
 
+# pp / commit: the PYTHONPATH and recorded commit of variant $1 (co = the checkout). Prepended: a
+# sourced vLLM env (/opt/vsite/env.sh) keeps its own PYTHONPATH entries.
+variant_env() {
+    pp=${PYTHONPATH:-} commit=${KBIT_GIT_COMMIT:-checkout}
+    if [ "$1" != co ]; then pp=$PWD/.ab/$1${pp:+:$pp} commit=$(cat ".ab/$1/REF"); fi
+}
+# The round numbers of this call: ROUNDS more after those earlier calls left in $AB (the
+# checkout's files matching the glob $1, one per round).
+next_rounds() {
+    local done_rounds; done_rounds=$(ls $1 2>/dev/null | wc -l)
+    seq $((done_rounds + 1)) $((done_rounds + ${ROUNDS:-2}))
+}
+# All rounds so far (earlier calls' files included): medians and ratios to the first NAME in
+# $OUT/$1_table.md, every file of $AB in $OUT/$1_results.tgz.
+finish() {
+    local name=$1; shift
+    python3 tools/ab_table.py "$AB" "$@" co --out "$OUT/${name}_table.md"
+    tar czf "$OUT/${name}_results.tgz" -C "$AB" .
+}
+
 case "$phase" in
     build)
         # 16 cores: 8 nvcc jobs per build when there are two, fewer with more variants
@@ -39,12 +59,9 @@ case "$phase" in
         echo "build done $((SECONDS - T0))s"
         ;;
     decode)
-        done_rounds=$(ls "$AB"/bench_moe_ab_co*.json 2>/dev/null | wc -l)  # earlier calls' rounds
-        for r in $(seq $((done_rounds + 1)) $((done_rounds + ${ROUNDS:-2}))); do
+        for r in $(next_rounds "$AB/bench_moe_ab_co*.json"); do
             for v in "$@" co; do
-                # prepended: a sourced vLLM env (/opt/vsite/env.sh) keeps its own PYTHONPATH entries
-                pp=${PYTHONPATH:-}; [ "$v" != co ] && pp=$PWD/.ab/$v${pp:+:$pp}
-                commit=${KBIT_GIT_COMMIT:-checkout}; [ "$v" != co ] && commit=$(cat .ab/$v/REF)
+                variant_env "$v"
                 PYTHONPATH=$pp KBIT_GIT_COMMIT=$commit timeout 200 python3 benchmarks/bench_moe.py \
                     --shapes qwen3 --bits 2,4,5 --m 1,2,4,8,16 --baselines none \
                     --kbit-paths auto --out "$AB" --tag "ab_$v$r" --time-budget-s 150 \
@@ -58,25 +75,20 @@ case "$phase" in
                 grep -E "^\|" "$AB"/bench_linear_*_ab_"$v$r".md 2>/dev/null | head -30
             done
         done
-        # all rounds so far (earlier calls' files included): medians and ratios to the first NAME
-        python3 tools/ab_table.py "$AB" "$@" co --out "$OUT/ab_table.md"
-        tar czf "$OUT/ab_results.tgz" -C "$AB" .
+        finish ab "$@"
         ;;
     mid)
         AB=$AB-mid; mkdir -p "$AB"
-        done_rounds=$(ls "$AB"/bench_linear_*_ab_co*.json 2>/dev/null | wc -l)
-        for r in $(seq $((done_rounds + 1)) $((done_rounds + ${ROUNDS:-2}))); do
+        for r in $(next_rounds "$AB/bench_linear_*_ab_co*.json"); do
             for v in "$@" co; do
-                pp=${PYTHONPATH:-}; [ "$v" != co ] && pp=$PWD/.ab/$v${pp:+:$pp}
-                commit=${KBIT_GIT_COMMIT:-checkout}; [ "$v" != co ] && commit=$(cat .ab/$v/REF)
+                variant_env "$v"
                 PYTHONPATH=$pp KBIT_GIT_COMMIT=$commit timeout 250 python3 benchmarks/bench_linear.py \
                     --models 8b,70b --bits 2,4 --m "${MID_M:-16,32,48,64,96,128,256}" --baselines fp16 \
                     --out-dir "$AB" --tag "ab_$v$r" --time-budget-s 200 > "$AB/linear_$v$r.log" 2>&1
                 echo "== linear $v round $r rc=$? $((SECONDS - T0))s"
             done
         done
-        python3 tools/ab_table.py "$AB" "$@" co --out "$OUT/ab_mid_table.md"
-        tar czf "$OUT/ab_mid_results.tgz" -C "$AB" .
+        finish ab_mid "$@"
         ;;
     *)
         echo "usage: tools/gpu_ab.sh build NAME... | decode NAME... | mid NAME..." >&2
