@@ -548,35 +548,46 @@ __global__ void __launch_bounds__(kRouteChunkThreads) moe_route_scatter(const Ro
 // The wgmma path's inputs (moe_wgmma.cu reads x by TMA, which cannot gather rows): xs[i] =
 // x[sorted[i] / topk] for the *count routed slots; rows past them (slots of other ranks' experts)
 // are zero in xs and in the act buffer, so that the tiles reaching past the last expert's rows
-// read zeros, not stale memory (their products are never stored). Also clears the down GEMM's
-// atomic accumulator (one launch less).
+// read zeros, not stale memory (their products are never stored). (The down GEMM's atomic
+// accumulator is cleared by the gate_up GEMM's idle producer warps: wgmma_gemm.cuh clear_slice.)
 struct GatherParams {
     const uint8_t* x;
     int64_t ldx_bytes;
     const int* sorted;
     const int* count;  // route kernel: [1] = routed slots
     uint8_t *xs, *act;
-    float4* zero;        // the down GEMM's atomic accumulator (or null), cleared here
-    int64_t zero_count;  // float4 units
     int S, topk, row16, act16;  // row16 / act16: 16-byte chunks per row of xs / act
 };
 
+// One warp per xs row (row i of the grid-stride loop over the CTAs' warps), kGatherChunks
+// 16-byte chunks per lane loaded before any is stored: the loads of a row are all in flight at
+// once, and no index is divided (a 64-bit division per 16-byte unit, as a flat loop over S * H / 8
+// units needs, is a ~70-instruction call: the flat version ran at ~1.7 TB/s, issue-bound).
+constexpr int kGatherChunks = 8;
 __global__ void __launch_bounds__(256) moe_gather_kernel(const GatherParams p) {
-    const int count = *p.count;
-    const int64_t stride = int64_t{gridDim.x} * 256;
-    const int64_t units = int64_t{p.S} * p.row16;
-    for (int64_t u = blockIdx.x * int64_t{256} + threadIdx.x; u < units; u += stride) {
-        const int i = static_cast<int>(u / p.row16), c = static_cast<int>(u % p.row16);
-        uint4 v = make_uint4(0u, 0u, 0u, 0u);
-        if (i < count)
-            v = *reinterpret_cast<const uint4*>(p.x + int64_t{p.sorted[i] / p.topk} * p.ldx_bytes + c * 16);
-        *reinterpret_cast<uint4*>(p.xs + u * 16) = v;
+    const int count = *p.count, lane = threadIdx.x & 31;
+    const int warps = gridDim.x * 8;
+    for (int i = blockIdx.x * 8 + (threadIdx.x >> 5); i < p.S; i += warps) {
+        uint4* dst = reinterpret_cast<uint4*>(p.xs) + int64_t{i} * p.row16;
+        const uint4* src = i < count
+            ? reinterpret_cast<const uint4*>(p.x + int64_t{p.sorted[i] / p.topk} * p.ldx_bytes)
+            : nullptr;  // a row past the routed slots: zeros
+        for (int c0 = lane; c0 < p.row16; c0 += 32 * kGatherChunks) {
+            uint4 v[kGatherChunks];
+#pragma unroll
+            for (int j = 0; j < kGatherChunks; ++j) {
+                const int c = c0 + 32 * j;
+                v[j] = src != nullptr && c < p.row16 ? src[c] : make_uint4(0u, 0u, 0u, 0u);
+            }
+#pragma unroll
+            for (int j = 0; j < kGatherChunks; ++j)
+                if (c0 + 32 * j < p.row16) dst[c0 + 32 * j] = v[j];
+        }
     }
+    const int64_t stride = int64_t{gridDim.x} * 256;
     const int64_t zero_units = int64_t{p.S - count} * p.act16;
     for (int64_t u = blockIdx.x * int64_t{256} + threadIdx.x; u < zero_units; u += stride)
         *reinterpret_cast<uint4*>(p.act + (int64_t{count} * p.act16 + u) * 16) = make_uint4(0u, 0u, 0u, 0u);
-    for (int64_t u = blockIdx.x * int64_t{256} + threadIdx.x; u < p.zero_count; u += stride)
-        p.zero[u] = make_float4(0.f, 0.f, 0.f, 0.f);
 }
 
 // gate_up split-K through the workspace (no clusters): sum the splits, then the activation.
@@ -610,30 +621,31 @@ struct CombineParams {
     int T, H, splits, out_mode, weight_on_input;
 };
 
+// Grid (T token rows, 256-float4 column chunks), one float4 per thread and no loop: a
+// grid-stride loop here made each thread wait one memory latency per token (its load follows the
+// previous token's store) and no index is divided (the flat version divided 64-bit indices).
 template <bool BF16>
 __global__ void __launch_bounds__(256) moe_combine_kernel(const CombineParams p) {
     pdl_wait();
-    const int h4 = p.H / 4;
-    const int64_t units = int64_t{p.T} * h4, stride = int64_t{gridDim.x} * 256;
-    for (int64_t u = blockIdx.x * int64_t{256} + threadIdx.x; u < units; u += stride) {
-        const int tok = static_cast<int>(u / h4), c = static_cast<int>(u % h4) * 4;
-        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (p.out_mode == kAtomic) {
-            v = *reinterpret_cast<const float4*>(p.rows + int64_t{tok} * p.H + c);
-        } else {
-            for (int j = 0; j < p.rt.topk; ++j) {
-                const int s = tok * p.rt.topk + j;
-                if (local_expert(p.rt, s) < 0) continue;
-                float4 r = make_float4(0.f, 0.f, 0.f, 0.f);
-                for (int sp = 0; sp < p.splits; ++sp)
-                    r = f4add(r, *reinterpret_cast<const float4*>(
-                                     p.rows + (int64_t{sp} * p.rt.S + s) * p.H + c));
-                v = f4add(v, f4mul(r, p.weight_on_input ? 1.0f : p.topk_w[s]));
-            }
+    const int c4 = blockIdx.y * 256 + threadIdx.x, tok = blockIdx.x;
+    if (c4 >= p.H / 4) return;
+    const int c = 4 * c4;
+    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (p.out_mode == kAtomic) {
+        v = *reinterpret_cast<const float4*>(p.rows + int64_t{tok} * p.H + c);
+    } else {
+        for (int j = 0; j < p.rt.topk; ++j) {
+            const int s = tok * p.rt.topk + j;
+            if (local_expert(p.rt, s) < 0) continue;
+            float4 r = make_float4(0.f, 0.f, 0.f, 0.f);
+            for (int sp = 0; sp < p.splits; ++sp)
+                r = f4add(r, *reinterpret_cast<const float4*>(
+                                 p.rows + (int64_t{sp} * p.rt.S + s) * p.H + c));
+            v = f4add(v, f4mul(r, p.weight_on_input ? 1.0f : p.topk_w[s]));
         }
-        *reinterpret_cast<uint2*>(static_cast<uint8_t*>(p.out) + (int64_t{tok} * p.H + c) * 2) =
-            make_uint2(pack2<BF16>(v.x, v.y), pack2<BF16>(v.z, v.w));
     }
+    *reinterpret_cast<uint2*>(static_cast<uint8_t*>(p.out) + (int64_t{tok} * p.H + c) * 2) =
+        make_uint2(pack2<BF16>(v.x, v.y), pack2<BF16>(v.z, v.w));
 }
 
 // --------------------------------------------------------------------------------- host
@@ -726,7 +738,7 @@ RouteParams route(const Call& c, const Routing& rt, int tile_m, int64_t max_tile
 // The combine kernel: y = sum over the top-k of the down rows (splits x [S, H] fp32 rows, or the
 // atomic [T, H] accumulator), rounded once.
 void launch_combine(const Call& c, const Routing& rt, const at::Tensor& rows, int splits, bool atomic,
-                    int64_t slots_gpu, bool pdl) {
+                    bool pdl) {
     CombineParams p{};
     p.rt = rt;
     p.rows = rows.data_ptr<float>();
@@ -736,8 +748,8 @@ void launch_combine(const Call& c, const Routing& rt, const at::Tensor& rows, in
     p.splits = splits;
     p.out_mode = atomic ? kAtomic : kSlots;
     p.weight_on_input = c.weight_on_input;
-    const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(c.T * c.H / 4, 256), slots_gpu * 2));
-    launch_kernel(c.bf16 ? moe_combine_kernel<true> : moe_combine_kernel<false>, dim3(blocks), 256, 0,
+    launch_kernel(c.bf16 ? moe_combine_kernel<true> : moe_combine_kernel<false>,
+                  dim3(static_cast<unsigned>(c.T), static_cast<unsigned>(ceil_div(c.H / 4, 256))), 256, 0,
                   c10::cuda::getCurrentCUDAStream(), 1, pdl, p);
 }
 
@@ -853,7 +865,7 @@ void run_moe(const Call& c) {
         launch_kernel(moe_gemm_kernel<BITS, TM, BF16>, dim3(g2, splits2, static_cast<unsigned>(max_tiles)), kThreads, cfg.smem,
                stream, mode2 == kCluster ? splits2 : 1, pdl && mode1 != kWorkspace, p);
     }
-    launch_combine(c, rt, rows2, mode2 == kWorkspace ? splits2 : 1, atomic, slots_gpu, pdl);
+    launch_combine(c, rt, rows2, mode2 == kWorkspace ? splits2 : 1, atomic, pdl);
 }
 
 template <int BITS>
@@ -896,8 +908,6 @@ void run_moe_wgmma(const Call& c, int64_t bits, int tn) {
         gp.xs = static_cast<uint8_t*>(xs.data_ptr()), gp.act = static_cast<uint8_t*>(act.data_ptr());
         gp.S = static_cast<int>(c.S), gp.topk = static_cast<int>(c.topk);
         gp.row16 = static_cast<int>(c.H / 8), gp.act16 = static_cast<int>(c.I / 8);
-        gp.zero = atomic ? reinterpret_cast<float4*>(rows2.data_ptr<float>()) : nullptr;
-        gp.zero_count = atomic ? c.T * c.H / 4 : 0;
         const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(c.S * c.H / 8, 256), int64_t{sms} * 8));
         moe_gather_kernel<<<blocks, 256, 0, stream>>>(gp);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -911,13 +921,14 @@ void run_moe_wgmma(const Call& c, int64_t bits, int tn) {
     MoeWgGemm g1 = g;  // gate_up + activation: xs [S, H] -> act [S, I]
     g1.x = xs, g1.qweight = c.w13q, g1.absmax = c.w13a, g1.n = c.I, g1.gate_up = true;
     g1.out = act.data_ptr();
+    if (atomic) g1.zero = rows2.data_ptr<float>(), g1.zero_count = c.T * c.H;
     moe_wgmma_gemm(g1);
     MoeWgGemm g2 = g;  // down: act [S, I] -> rows2
     g2.x = act, g2.qweight = c.w2q, g2.absmax = c.w2a, g2.n = c.H, g2.gate_up = false;
     g2.out = rows2.data_ptr();
     moe_wgmma_gemm(g2);
 
-    launch_combine(c, rt, rows2, 1, atomic, sms, false);
+    launch_combine(c, rt, rows2, 1, atomic, false);
 }
 
 // The wgmma path's token tile for this call, or 0 when the call does not take that path.

@@ -44,6 +44,7 @@ void run_group(const MoeWgGemm& g) {
     mo.qw_expert = s.words * 4, mo.am_expert = s.absmax_bytes;
     mo.topk_w = g.topk_w;
     mo.out = g.out;
+    mo.zero = reinterpret_cast<float4*>(g.zero), mo.zero_count = g.zero_count / 4;
     mo.topk = g.topk, mo.weight_on_input = g.weight_on_input, mo.act = g.act;
     mo.out_mode = g.atomic ? kMoeAtomic : kMoeRows;
     const int per_cta = GM == kMoeGateUp ? L::kTiles / 2 : L::kTiles;

@@ -70,6 +70,8 @@ struct MoeWgGemm {
                            // moe_wide_tile(bits) (128 weight rows)
     bool weight_on_input, atomic;
     void* out;  // gate_up: act [rows, I] x.dtype; down: fp32 [T, H] (atomic) or [S, H]
+    float* zero = nullptr;   // gate_up: cleared by its CTAs (the down GEMM's atomic accumulator)
+    int64_t zero_count = 0;  // floats, a multiple of 4
 };
 // The wide tile's slots: 256, or 224 at k = 5 (see moe_wgmma.cu's run_bits).
 constexpr int moe_wide_tile(int64_t bits) { return bits == 5 ? 224 : 256; }

@@ -86,6 +86,8 @@ struct WgMoe {
     int64_t qw_expert, am_expert;  // bytes per expert
     const float* topk_w;    // [S]
     void* out;              // gate_up: act [S rows, I] in x.dtype; down: fp32 [T, H] or [S, H]
+    float4* zero;           // gate_up: the down GEMM's atomic accumulator (or null), cleared here
+    int64_t zero_count;     // its float4 units
     int topk, weight_on_input, act, out_mode;
 };
 
@@ -159,6 +161,17 @@ __device__ __forceinline__ void produce(const WgParams& p, const void* xmap, con
 //  kMoeDown: slot s = sorted[m0 + tok]; w[s] * row added into out[s / topk] (kMoeAtomic) or the
 //    row stored as out[s] (kMoeRows, the combine kernel weights and sums them).
 #if defined(KBIT_WG_DEVICE)
+// kMoeGateUp: this CTA's share of clearing the down GEMM's atomic accumulator (every CTA of the
+// grid takes an equal slice, those without a routing tile too), by threads [t0, t0 + nt) of it.
+// The gate_up GEMM is compute bound: the 32 MB (Qwen3-30B-A3B, T = 4096) of stores cost nothing
+// there, where a separate pass ran at the ~2.1 TB/s store bandwidth (~15 us).
+__device__ __forceinline__ void clear_slice(const WgMoe& mo, int t0, int nt) {
+    const int64_t ctas = int64_t{gridDim.x} * gridDim.y * gridDim.z;
+    const int64_t cta = blockIdx.x + int64_t{gridDim.x} * (blockIdx.y + int64_t{gridDim.y} * blockIdx.z);
+    const int64_t per = (mo.zero_count + ctas - 1) / ctas, end = min(mo.zero_count, (cta + 1) * per);
+    for (int64_t u = cta * per + threadIdx.x - t0; u < end; u += nt) mo.zero[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+}
+
 template <bool BF16, int GM, int ROWS, int TN, int OUT_ROW>
 __device__ __forceinline__ void moe_epilogue(const WgParams& p, const WgMoe& mo, const float* out,
                                              int ctid, int n0, int m0, int m_valid) {
@@ -216,7 +229,10 @@ __global__ void __launch_bounds__(wg::kThreads, 1)
     int m0 = blockIdx.z * TN, m_rows = 0;  // MoE: the tile's rows of x (dense: p.M - m0, below)
     const uint8_t *qw = p.qw, *am = p.am;
     if constexpr (GM != kDense) {  // this CTA's tile-list entry (the whole CTA exits together)
-        if (static_cast<int>(blockIdx.z) >= *mo.num_tiles) return;
+        if (static_cast<int>(blockIdx.z) >= *mo.num_tiles) {
+            if (GM == kMoeGateUp && mo.zero != nullptr) clear_slice(mo, 0, wg::kThreads);
+            return;
+        }
         const int4 tl = mo.tiles[blockIdx.z];
         m0 = tl.y, m_rows = tl.z;
         qw += tl.x * mo.qw_expert, am += tl.x * mo.am_expert;
@@ -247,6 +263,8 @@ __global__ void __launch_bounds__(wg::kThreads, 1)
         if (warp == 0)
             produce<BITS, RWG, TN, GM>(p, &p.xmap, &mo.xmap_q, GM == kDense ? TN : wg::narrow_tn(TN, m_rows),
                                        qw, am, nt0, m0, kr, ring, full0, empty0, lane);
+        else if (GM == kMoeGateUp && mo.zero != nullptr)  // warps 1-3 are idle otherwise
+            clear_slice(mo, 32, 96);
         if (p.mode == kCluster) {  // the consumers' two cluster barriers count every thread
             cluster_sync();
             cluster_sync();
