@@ -659,35 +659,47 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_kernel(const Params p, const
     float* part = part_s + warp * 2 * kTileN * p.M;
     int left = k_len - u0 % k_len;  // k-tiles left in this n-tile
     bool whole = left == k_len;     // the segment started at k-tile 0
-    for (int u = u0; u < u1; u += D) {
-#pragma unroll
-        for (int i = 0; i < D; ++i) {
-            if (u + i < u1) {
-                if constexpr (kMoe) {
-                    if (buf[i].xo >= 0)
-                        tile_mma<kBits, T, kDown>(buf[i], smem, lane_off, p.row_shift,
-                                                  xs_lane + buf[i].xo, acc);
-                } else {
-                    tile_mma<kBits, T>(buf[i], smem, lane_off, p.row_shift, xs, acc);
-                }
-                if (u + i + D < u1) {  // refill the slot just consumed
-                    buf[i] = ts.load();
-                    ts.next();
-                }
-                const bool tile_end = --left == 0;
-                if (tile_end || u + i + 1 == u1) {
-                    store_sums(acc, tile_end && whole ? acc_tile : part, g, t, p.M);
-                    part = part_s + (warp * 2 + 1) * kTileN * p.M;
-                    whole = true;
-                }
-                if constexpr (!kMoe) xs += kTileK * 2;
-                if (tile_end) {
-                    left = k_len, acc_tile += kTileN * p.M;
-                    if constexpr (!kMoe) xs = xs0;
-                }
-            }
+    // Tile u (ring slot i = (u - u0) % D): its MMA, the slot's refill with tile u + D, the sums.
+    auto step = [&](int i, int u) {
+        if constexpr (kMoe) {
+            if (buf[i].xo >= 0)
+                tile_mma<kBits, T, kDown>(buf[i], smem, lane_off, p.row_shift, xs_lane + buf[i].xo, acc);
+        } else {
+            tile_mma<kBits, T>(buf[i], smem, lane_off, p.row_shift, xs, acc);
         }
+        if (u + D < u1) {  // refill the slot just consumed (a predicated load, no branch)
+            buf[i] = ts.load();
+            ts.next();
+        }
+        const bool tile_end = --left == 0;
+        if (tile_end || u + 1 == u1) {
+            store_sums(acc, tile_end && whole ? acc_tile : part, g, t, p.M);
+            part = part_s + (warp * 2 + 1) * kTileN * p.M;
+            whole = true;
+        }
+        if constexpr (!kMoe) xs += kTileK * 2;
+        if (tile_end) {
+            left = k_len, acc_tile += kTileN * p.M;
+            if constexpr (!kMoe) xs = xs0;
+        }
+    };
+    // Whole rounds of D tiles first, with no per-tile "tile exists" branch. ptxas puts every
+    // weight load on one scoreboard, and the first use of a tile waits until that scoreboard is
+    // empty (global loads complete out of order: it cannot count). Behind a branch that may skip
+    // the previous tile, it must assume that tile's wait did not happen, so every tile waited for
+    // the refill issued one tile earlier: about one memory latency per tile and warp
+    // (benchmarks/results/gemv_streaming_h100_s9.md; sm_90 SASS of the k=2 loop: 5 such waits per
+    // 6 tiles). Without the branch, the wait of slot 0 also covers slots 1..D-1, which were loaded
+    // before it (k=2: 2 waits per 6 tiles; k=4: 2 per 4), and ptxas issues the round's refills
+    // early. The tail round keeps the branch.
+    int u = u0;
+    for (; u + D <= u1; u += D) {
+#pragma unroll
+        for (int i = 0; i < D; ++i) step(i, u + i);
     }
+#pragma unroll
+    for (int i = 0; i < D; ++i)  // the last < D tiles
+        if (u + i < u1) step(i, u + i);
     pdl_trigger();  // the weights are streamed: the next kernel may start its prologue
     __syncthreads();
 
