@@ -683,23 +683,33 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_kernel(const Params p, const
             if constexpr (!kMoe) xs = xs0;
         }
     };
-    // Whole rounds of D tiles first, with no per-tile "tile exists" branch. ptxas puts every
-    // weight load on one scoreboard, and the first use of a tile waits until that scoreboard is
-    // empty (global loads complete out of order: it cannot count). Behind a branch that may skip
-    // the previous tile, it must assume that tile's wait did not happen, so every tile waited for
-    // the refill issued one tile earlier: about one memory latency per tile and warp
-    // (benchmarks/results/gemv_streaming_h100_s9.md; sm_90 SASS of the k=2 loop: 5 such waits per
-    // 6 tiles). Without the branch, the wait of slot 0 also covers slots 1..D-1, which were loaded
-    // before it (k=2: 2 waits per 6 tiles; k=4: 2 per 4), and ptxas issues the round's refills
-    // early. The tail round keeps the branch.
-    int u = u0;
-    for (; u + D <= u1; u += D) {
+    // Dense k=4: whole rounds of D tiles first, with no per-tile "tile exists" branch. ptxas puts
+    // every weight load on one scoreboard, and the first use of a tile waits until that
+    // scoreboard is empty (global loads complete out of order: it cannot count). Behind a branch
+    // that may skip the previous tile, it must assume that tile's wait did not happen, so every
+    // tile waits for the refill issued one tile earlier: about one memory latency per tile and
+    // warp (benchmarks/results/gemv_streaming_h100_s9.md). Without the branch, the wait of slot 0
+    // also covers slots 1..D-1, which were loaded before it (sm_90 SASS, k=4: 2 waits per 4 tiles
+    // instead of 4), and ptxas issues the round's refills early: 8B layers 2-9% faster at M = 1
+    // and 4 on an H100 (benchmarks/results/ab_gemv_rounds_h100_s16.md). Not for k=2 (the longer
+    // round spills registers: 8B down 6% slower) nor the MoE modes (M = 1 2-4% slower); k=3 and
+    // k=5 were not measured. The tail round, and those, keep the per-tile branch.
+    if constexpr (!kMoe && kBits == 4) {
+        int u = u0;
+        for (; u + D <= u1; u += D) {
 #pragma unroll
-        for (int i = 0; i < D; ++i) step(i, u + i);
+            for (int i = 0; i < D; ++i) step(i, u + i);
+        }
+#pragma unroll
+        for (int i = 0; i < D; ++i)  // the last < D tiles
+            if (u + i < u1) step(i, u + i);
+    } else {
+        for (int u = u0; u < u1; u += D) {
+#pragma unroll
+            for (int i = 0; i < D; ++i)
+                if (u + i < u1) step(i, u + i);
+        }
     }
-#pragma unroll
-    for (int i = 0; i < D; ++i)  // the last < D tiles
-        if (u + i < u1) step(i, u + i);
     pdl_trigger();  // the weights are streamed: the next kernel may start its prologue
     __syncthreads();
 
