@@ -560,9 +560,10 @@ struct GatherParams {
 };
 
 // One warp per xs row (row i of the grid-stride loop over the CTAs' warps), kGatherChunks
-// 16-byte chunks per lane loaded before any is stored: the loads of a row are all in flight at
-// once, and no index is divided (a 64-bit division per 16-byte unit, as a flat loop over S * H / 8
-// units needs, is a ~70-instruction call: the flat version ran at ~1.7 TB/s, issue-bound).
+// 16-byte chunks per lane loaded before any is stored, no index divided. It runs no faster than
+// the flat loop over S * H / 8 units it replaced (a 64-bit division per unit): both are bound by
+// the store bandwidth (~2 TB/s on an H100: Qwen3-30B-A3B, T = 4096, 134 MB of rows in ~68 us;
+// benchmarks/results/moe_profile_h100_s16.log).
 constexpr int kGatherChunks = 8;
 __global__ void __launch_bounds__(256) moe_gather_kernel(const GatherParams p) {
     const int count = *p.count, lane = threadIdx.x & 31;

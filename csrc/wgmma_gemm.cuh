@@ -164,7 +164,8 @@ __device__ __forceinline__ void produce(const WgParams& p, const void* xmap, con
 // kMoeGateUp: this CTA's share of clearing the down GEMM's atomic accumulator (every CTA of the
 // grid takes an equal slice, those without a routing tile too), by threads [t0, t0 + nt) of it.
 // The gate_up GEMM is compute bound: the 32 MB (Qwen3-30B-A3B, T = 4096) of stores cost nothing
-// there, where a separate pass ran at the ~2.1 TB/s store bandwidth (~15 us).
+// there, where in the gather kernel they ran at its store bandwidth (~12 us: gather 79.5 -> 67.9
+// us when moved here, benchmarks/results/moe_profile_h100_s16.log).
 __device__ __forceinline__ void clear_slice(const WgMoe& mo, int t0, int nt) {
     const int64_t ctas = int64_t{gridDim.x} * gridDim.y * gridDim.z;
     const int64_t cta = blockIdx.x + int64_t{gridDim.x} * (blockIdx.y + int64_t{gridDim.y} * blockIdx.z);
