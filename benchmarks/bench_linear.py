@@ -130,6 +130,7 @@ class Config:
     wgmma2: bool = False  # and its warp-specialized wgmma kernel as "mma_wg2" (implies wgmma)
     # the warp-specialized kernel with KBIT_WGMMA_CONFIG forced, as "mma_wg2_c<N>" (implies wgmma)
     wgmma2_configs: list[int] = field(default_factory=list)
+    paths: list[str] = field(default_factory=lambda: list(KBIT_PATHS))  # kbit paths to time
     time_budget_s: float = 420.0
     vllm_ops_lib: str | None = None
     allow_reference: bool = False
@@ -208,6 +209,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
              "1 = C1 128x64, 2 = C2 128x128, 3 = C3 256x128, 4 = C1w 256x64, 5 = C2w 128x256;\n"
              "implies --wgmma\n"
              "(mma_wg2, the kernel's own choice, only with --wgmma2 too)")
+    add("--paths", help=f"comma subset of the kbit paths {','.join(KBIT_PATHS)} (default: all)")
     add("--time-budget-s", type=float, default=420.0, help="start no new shape/k after this")
     add("--vllm-ops-lib", help="vLLM's _C_stable_libtorch.abi3.so (or .xz), if vllm won't import")
     add("--allow-reference", action="store_true", help="run without vllm_kbit._C (slow)")
@@ -234,8 +236,11 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
         raise SystemExit(
             f"--wgmma2-config: configurations are {WG2_CONFIGS}, got {a.wgmma2_configs!r}"
         )
+    paths = list(KBIT_PATHS) if a.paths is None else [x.strip() for x in a.paths.split(",") if x.strip()]
+    if not paths or any(x not in KBIT_PATHS for x in paths):
+        raise SystemExit(f"--paths: subset of {','.join(KBIT_PATHS)}, got {a.paths!r}")
     lists = {"shapes": shapes, "bits": bits, "ms": ms, "ms_70b": ms_70b, "baselines": base,
-             "wgmma2_configs": wg2c}  # fmt: skip
+             "wgmma2_configs": wg2c, "paths": paths}  # fmt: skip
     rest = {f.name: getattr(a, f.name) for f in fields(Config) if f.name not in lists}
     rest["wgmma"] = rest["wgmma"] or rest["wgmma2"] or bool(wg2c)
     rest["min_reps"] = max(1, rest["min_reps"])
@@ -255,10 +260,11 @@ def dense_methods(cfg: Config) -> list[str]:
 def kbit_paths(cfg: Config, m: int | None = None) -> list[str]:
     """The kbit paths timed (at M = m: gemv up to --gemv-max-m, the wgmma paths mma_wg, mma_wg2
     and mma_wg2_c<N> above M = 32)."""
-    paths = list(KBIT_PATHS)
+    paths = [p for p in KBIT_PATHS if p in cfg.paths]
     wg = (["mma_wg"] if cfg.wgmma else []) + (["mma_wg2"] if cfg.wgmma2 else [])
     wg += [wg2_config_path(c) for c in cfg.wgmma2_configs]
-    paths[paths.index("mma") + 1 : paths.index("mma") + 1] = wg
+    at = paths.index("mma") + 1 if "mma" in paths else len(paths)
+    paths[at:at] = wg
     if m is None:
         return paths
     return [p for p in paths

@@ -40,8 +40,8 @@
 // the first use of a prefetched tile also waits for the loads issued after it (about one memory
 // latency per tile and warp): 70B gate_up runs at ~55% of HBM bandwidth at k=2, ~76% at k=4.
 // A cp.async ring with exact waits removed that stall but then hit shared-memory latency and the
-// MIO queue, with no net gain, so the register ring stays. Dense k=4 runs the ring in whole rounds
-// without the per-tile branch, which cuts those waits to two per round (see the main loop).
+// MIO queue, with no net gain, so the register ring stays. It runs in whole rounds without a
+// per-tile branch (two waits per round, see the main loop) and is short: 2 tiles (dense), 1 (MoE).
 //
 // MoE decode (kbit::moe with few slots, moe_gemv.cu): the same kernel, template kMode, runs the
 // two GEMMs of an MoE layer as GEMVs over "virtual" weights whose tiles come from the experts the
@@ -75,14 +75,16 @@ namespace kbit {
 namespace {
 
 constexpr int kThreads = kWarps * 32;
-// Tiles per warp in registers (kPrefetch - 1 loads in flight while one is computed): per SM
-// 16 warps x 3-5 tiles x 0.6-1.3 KB = 46-64 KB in flight, which covers HBM latency at full rate.
-template <int kBits>
-constexpr int kPrefetch = kBits == 2 ? 6 : kBits == 3 ? 5 : 4;
-// Of those, loaded before the table fill (the rest after x is staged): with all kPrefetch in the
-// prologue, a CTA's ~400 loads back up the memory pipe and the warps reach the barrier late
-// (H100, 8B shapes, M=1: kEarly = 1 or 2 is 0.3-0.5 us per call faster than kPrefetch).
-constexpr int kEarly = 2;
+// Tiles per warp in registers. The main loop waits for all of a warp's loads once per round of
+// kPrefetch tiles (see there), so a deeper ring does not keep more bytes in flight per warp for
+// longer; it only lengthens the unrolled round (registers, code). Measured on an H100 (8B shapes,
+// M = 1 and 4, benchmarks/results/ab_gemv_depth_h100_s17.md): dense 2 tiles is faster than 3, 4
+// or the earlier 4-6 for every k (an 8B layer's four GEMVs 12% faster at k=2, 6% at k=4, ~11% at
+// k=3 and 5, against 6 / 4 / 5 / 4 tiles); 1 tile is faster still on the smallest layers (8B o,
+// qkv) but 2-8% slower on gate_up. The MoE modes (a slot check in every load) are 2.5-6% faster
+// at M = 1 with 1 tile than with 2-6 (Qwen3-30B-A3B, Mixtral), and the same at M = 4.
+template <int kMode>
+constexpr int kPrefetch = kMode == 0 ? 2 : 1;
 constexpr int kMaxM = 8;  // the MMA's N
 constexpr int kTableRows = 256;
 constexpr int kTableRows5 = 1024;
@@ -544,7 +546,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_kernel(const Params p, const
     const int u0 = run_begin(warp, units), u1 = run_begin(warp + 1, units);  // host: no overflow
 
     // What the CTA reads before its first MMA is requested at once, in the order it is needed:
-    // the codebook, x (unless PDL: x is the previous kernel's output), each warp's first kEarly
+    // the codebook, x (unless PDL: x is the previous kernel's output), each warp's first D
     // tiles. Issued after the weight loads, the codebook and x reads would queue behind the
     // weight stream in the memory system (~2-5k cycles measured on H100 at 8B shapes).
     __shared__ float cb_s[1 << kBits];
@@ -563,7 +565,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_kernel(const Params p, const
     XJob xj;
     if (!kDown && !p.pdl && has_x) xj = load_x<T>(p, k_begin, 0, threadIdx.x);
 
-    constexpr int D = kPrefetch<kBits>;
+    constexpr int D = kPrefetch<kMode>;
     std::conditional_t<kMoe, MoeStream<kBits, kDown>, TileStream<kBits>> ts;
     ts.q = reinterpret_cast<const uint2*>(p.qw);
     ts.a = reinterpret_cast<const uint32_t*>(p.am);
@@ -592,24 +594,21 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_kernel(const Params p, const
     ts.k_len = k_len;
     ts.left = k_len - u0 % k_len;
     Tile<kBits> buf[D];
-    auto load_tile = [&](int i) {  // slot i of the warp's first D tiles, in stream order
-        if (u0 + i < u1) {
-            buf[i] = ts.load();
-            ts.next();
+    auto load_ring = [&] {  // the warp's first D tiles, in stream order
+#pragma unroll
+        for (int i = 0; i < D; ++i) {
+            if (u0 + i < u1) {
+                buf[i] = ts.load();
+                ts.next();
+            }
         }
     };
-    if constexpr (!kMoe) {
-#pragma unroll
-        for (int i = 0; i < kEarly; ++i) load_tile(i);
-    }
+    if constexpr (!kMoe) load_ring();
 
     if (threadIdx.x < (1 << kBits)) cb_s[threadIdx.x] = cbv;
     if (kMoe && threadIdx.x < mo.S) s_e[threadIdx.x] = se, s_w[threadIdx.x] = sw;
     __syncthreads();
-    if constexpr (kMoe) {  // MoE: the first addresses needed the slots' experts
-#pragma unroll
-        for (int i = 0; i < kEarly; ++i) load_tile(i);
-    }
+    if constexpr (kMoe) load_ring();  // MoE: the first addresses needed the slots' experts
     fill_table<kBits, T>(smem, cb_s, p.row_shift);
     // Up to here only constant data (weights, codebook) was read, unless x was: with PDL this
     // prologue overlaps the previous kernel's tail; x is that kernel's output.
@@ -641,8 +640,6 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_kernel(const Params p, const
     float* acc_s = reinterpret_cast<float*>(smem + p.acc_off);
     float* part_s = acc_s + n_cta * kTileN * p.M;
     __syncthreads();
-#pragma unroll
-    for (int i = kEarly; i < D; ++i) load_tile(i);
 
     // x of this lane's token column (lanes past M repeat token M-1) and 16-byte chunk t.
     const uint8_t* xs0 = smem + p.table_bytes + min(g, p.M - 1) * p.xrow + t * 16;
@@ -684,33 +681,22 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_kernel(const Params p, const
             if constexpr (!kMoe) xs = xs0;
         }
     };
-    // Dense k=4: whole rounds of D tiles first, with no per-tile "tile exists" branch. ptxas puts
-    // every weight load on one scoreboard, and the first use of a tile waits until that
-    // scoreboard is empty (global loads complete out of order: it cannot count). Behind a branch
-    // that may skip the previous tile, it must assume that tile's wait did not happen, so every
-    // tile waits for the refill issued one tile earlier: about one memory latency per tile and
-    // warp (benchmarks/results/gemv_streaming_h100_s9.md). Without the branch, the wait of slot 0
-    // also covers slots 1..D-1, which were loaded before it (sm_90 SASS, k=4: 2 waits per 4 tiles
-    // instead of 4), and ptxas issues the round's refills early: 8B layers 2-9% faster at M = 1
-    // and 4 on an H100 (benchmarks/results/ab_gemv_rounds_h100_s16.md). Not for k=2 (the longer
-    // round spills registers: 8B down 6% slower) nor the MoE modes (M = 1 2-4% slower); k=3 and
-    // k=5 were not measured. The tail round, and those, keep the per-tile branch.
-    if constexpr (!kMoe && kBits == 4) {
-        int u = u0;
-        for (; u + D <= u1; u += D) {
+    // Whole rounds of D tiles first, with no per-tile "tile exists" branch. ptxas puts every
+    // weight load on one scoreboard, and the first use of a tile waits until that scoreboard is
+    // empty (global loads complete out of order: it cannot count). Behind a branch that may skip
+    // the previous tile, it must assume that tile's wait did not happen, so every tile waited for
+    // the refill issued one tile earlier: about one memory latency per tile and warp
+    // (benchmarks/results/gemv_streaming_h100_s9.md). Without the branch, the wait of slot 0 also
+    // covers slots 1..D-1, which were loaded before it: two waits per round (sm_90 SASS), and the
+    // 15 other warps of the SM compute meanwhile. The tail round keeps the branch.
+    int u = u0;
+    for (; u + D <= u1; u += D) {
 #pragma unroll
-            for (int i = 0; i < D; ++i) step(i, u + i);
-        }
-#pragma unroll
-        for (int i = 0; i < D; ++i)  // the last < D tiles
-            if (u + i < u1) step(i, u + i);
-    } else {
-        for (int u = u0; u < u1; u += D) {
-#pragma unroll
-            for (int i = 0; i < D; ++i)
-                if (u + i < u1) step(i, u + i);
-        }
+        for (int i = 0; i < D; ++i) step(i, u + i);
     }
+#pragma unroll
+    for (int i = 0; i < D; ++i)  // the last < D tiles
+        if (u + i < u1) step(i, u + i);
     pdl_trigger();  // the weights are streamed: the next kernel may start its prologue
     __syncthreads();
 
