@@ -36,9 +36,10 @@
 // At ~1.75 GHz that is below the HBM time of every k on H100 (k=2 is the closest: ~9 us of
 // issue vs ~11 us of bandwidth on Llama-3-8B gate_up). Shared memory: 2 B of table per weight
 // (+x), ~64 weights/clk/SM. Measured (ncu, H100; benchmarks/results/gemv_streaming_h100_s9.md),
-// the loop does not reach either bound: ptxas puts all of its global loads on one scoreboard, so
-// the first use of a prefetched tile also waits for the loads issued after it (about one memory
-// latency per tile and warp): 70B gate_up runs at ~55% of HBM bandwidth at k=2, ~76% at k=4.
+// the loop did not reach either bound: ptxas puts all of its global loads on one scoreboard, so
+// the first use of a prefetched tile also waited for the loads issued after it (about one memory
+// latency per tile and warp): 70B gate_up ran at ~55% of HBM bandwidth at k=2, ~76% at k=4 (the
+// per-tile loop of then; 8B gate_up at M=1 now: 1.76 TB/s at k=2, 2.40 at k=4).
 // A cp.async ring with exact waits removed that stall but then hit shared-memory latency and the
 // MIO queue, with no net gain, so the register ring stays. It runs in whole rounds without a
 // per-tile branch (two waits per round, see the main loop) and is short: 2 tiles (dense), 1 (MoE).
@@ -75,14 +76,16 @@ namespace kbit {
 namespace {
 
 constexpr int kThreads = kWarps * 32;
-// Tiles per warp in registers. The main loop waits for all of a warp's loads once per round of
-// kPrefetch tiles (see there), so a deeper ring does not keep more bytes in flight per warp for
-// longer; it only lengthens the unrolled round (registers, code). Measured on an H100 (8B shapes,
+// Tiles per warp in registers. The main loop drains all of a warp's loads once per round of
+// kPrefetch tiles (see there); the other 15 warps of the SM keep the memory system busy meanwhile
+// (dense, 2 tiles: 16 x 2 x 0.6-1.3 KB = 18-42 KB per SM in flight). Measured on an H100 (8B shapes,
 // M = 1 and 4, benchmarks/results/ab_gemv_depth_h100_s17.md): dense 2 tiles is faster than 3, 4
 // or the earlier 4-6 for every k (an 8B layer's four GEMVs at M=1 12% faster at k = 2, 3 and 5,
 // 6% at k=4, against 6 / 5 / 4 / 4 tiles); 1 tile is faster still on the smallest layers (8B o,
 // qkv) but 2-8% slower on gate_up. The MoE modes (a slot check in every load) are 2.5-6% faster
-// at M = 1 with 1 tile than with 2-6 (Qwen3-30B-A3B, Mixtral), and the same at M = 4.
+// at M = 1 with 1 tile than with 2-6 (Qwen3-30B-A3B, Mixtral), and the same at M = 4. Why the
+// deeper rings lose was not isolated (the longer unrolled round costs registers, up to 128 with
+// spills at 5-6 tiles, and instruction fetch); the bytes in flight were not the limit.
 template <int kMode>
 constexpr int kPrefetch = kMode == 0 ? 2 : 1;
 constexpr int kMaxM = 8;  // the MMA's N
