@@ -43,6 +43,20 @@ def test_parse_wgmma2_config() -> None:
             bl.parse_args(["--wgmma2-config", bad])
 
 
+def test_parse_paths() -> None:
+    cfg = bl.parse_args(["--paths", "linear,gemv", "--m", "1,64", "--shapes", "t.a:64x256",
+                         "--bits", "4", "--baselines", "none"])  # fmt: skip
+    assert bl.kbit_paths(cfg) == ["gemv", "linear"]  # run order stays KBIT_PATHS order
+    assert bl.kbit_paths(cfg, 64) == ["linear"]  # gemv only up to --gemv-max-m
+    assert [(meth, m) for _, meth, _, m in bl.plan(cfg)] == [("gemv", 1), ("linear", 1), ("linear", 64)]
+    # wgmma paths go after mma, or at the end when mma is not timed
+    assert bl.kbit_paths(bl.parse_args(["--paths", "gemv", "--wgmma"]), 64) == ["mma_wg"]
+    assert bl.kbit_paths(bl.parse_args(["--paths", "mma,linear", "--wgmma"]), 64) == ["mma", "mma_wg", "linear"]
+    for bad in ("foo", "gemv,bar", "", ","):
+        with pytest.raises(SystemExit):
+            bl.parse_args(["--paths", bad])
+
+
 def test_wg2_path_names() -> None:
     for c in bl.WG2_CONFIGS:
         path = bl.wg2_config_path(c)
