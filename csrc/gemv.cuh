@@ -82,7 +82,7 @@ constexpr int kThreads = kWarps * 32;
 // M = 1 and 4, benchmarks/results/ab_gemv_depth_h100_s17.md): dense 2 tiles is faster than 3, 4
 // or the earlier 4-6 for every k (an 8B layer's four GEMVs at M=1 12% faster at k = 2, 3 and 5,
 // 6% at k=4, against 6 / 5 / 4 / 4 tiles); 1 tile is faster still on the smallest layers (8B o,
-// qkv) but 2-8% slower on gate_up. The MoE modes (a slot check in every load) are 2.5-6% faster
+// qkv) but 3-12% slower on gate_up. The MoE modes (a slot check in every load) are 2.5-6% faster
 // at M = 1 with 1 tile than with 2-6 (Qwen3-30B-A3B, Mixtral), and the same at M = 4. Why the
 // deeper rings lose was not isolated (the longer unrolled round costs registers, up to 128 with
 // spills at 5-6 tiles, and instruction fetch); the bytes in flight were not the limit.
