@@ -76,6 +76,7 @@ namespace kbit {
 namespace {
 
 constexpr int kThreads = kWarps * 32;
+enum Mode : int { kDense = 0, kMoeGateUp = 1, kMoeDown = 2 };
 // Tiles per warp in registers. The main loop drains all of a warp's loads once per round of
 // kPrefetch tiles (see there); the other 15 warps of the SM keep the memory system busy meanwhile
 // (dense, 2 tiles: 16 x 2 x 0.6-1.3 KB = 18-42 KB per SM in flight). Measured on an H100 (8B shapes,
@@ -87,14 +88,13 @@ constexpr int kThreads = kWarps * 32;
 // deeper rings lose was not isolated (the longer unrolled round costs registers, up to 128 with
 // spills at 5-6 tiles, and instruction fetch); the bytes in flight were not the limit.
 template <int kMode>
-constexpr int kPrefetch = kMode == 0 ? 2 : 1;
+constexpr int kPrefetch = kMode == kDense ? 2 : 1;
 constexpr int kMaxM = 8;  // the MMA's N
 constexpr int kTableRows = 256;
 constexpr int kTableRows5 = 1024;
 constexpr int kTableBytes = kTableRows * 256;  // k = 2..4: 64 KB
 constexpr int kXPad = 64;  // x row stride = 64 mod 128 B: 2 token rows of an LDS.128 share no bank
 
-enum Mode : int { kDense = 0, kMoeGateUp = 1, kMoeDown = 2 };
 constexpr int kMoeMaxSlots = 64;  // MoE decode: T * topk slots, one shared-memory entry each
 
 // MoE modes only (see the header comment). A kernel parameter of its own: folded into Params, the
