@@ -45,8 +45,9 @@ constexpr int kOutRow = kGroupRows + 4;  // floats per token row of the epilogue
 constexpr int kMaxSplits = 8;            // portable thread-block cluster size
 constexpr int kMaxStages = 4;
 
-// How the split-K partial sums of an output tile are combined.
-enum Mode : int { kDirect = 0, kCluster = 1, kWorkspace = 2 };
+// How the split-K partial sums of an output tile are combined. kStream (mma.cu only): stream-K,
+// CTAs take equal runs of (tile, k-tile) units across tile boundaries.
+enum Mode : int { kDirect = 0, kCluster = 1, kWorkspace = 2, kStream = 3 };
 
 // Shared-memory bytes of one pipeline stage and of the epilogue tile (aliases the ring).
 template <int BITS, int TM>

@@ -20,6 +20,9 @@
 //  * Split-K over CTAs when n-tiles x token tiles do not fill the GPU (<= 8 splits). sm_90: the
 //    splits of one output tile form a thread-block cluster and reduce through distributed shared
 //    memory (one kernel, deterministic); older GPUs: fp32 partials [S, M, n] plus a reduce kernel.
+//  * Stream-K (32- and 64-token tiles, where a cost model says it beats split-K): one wave of CTAs
+//    with equal runs of (n-tile group, k-tile) units across group boundaries; partial tiles meet
+//    through an fp32 workspace and per-CTA flags (see the stream-K helpers).
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -29,9 +32,11 @@
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
+#include <map>
 #include <mutex>
 #include <type_traits>
 #include <unordered_map>
+#include <utility>
 
 #include "frag_dequant.cuh"
 #include "kbit_format.cuh"
@@ -49,25 +54,98 @@ struct Params {
     const uint8_t* am;     // tiled absmax
     const float* cb;       // [2^bits]
     void* y;               // [M, n]
-    float* ws;             // [splits, M, n] (kWorkspace)
+    float* ws;             // kWorkspace: [splits, M, n]; kStream: one partial tile per CTA
+    int* flags;            // kStream: per CTA, "partial tile written" (0 between launches)
     int M, n, K, n_tiles, k_tiles, kchunk, splits, stages, mode, copies_log2;
     int ring_off;          // smem bytes before the ring: table + 64 (the table is 64-aligned)
 };
 
+// ------------------------------------------------------------------------- stream-K helpers
+//
+// kStream: with units u = group * k_tiles + k-tile (group = 16 n-tiles), CTA c of G runs the
+// units [c U / G, (c + 1) U / G) (U = all units), so every SM gets the same work where whole
+// tiles per CTA would leave SMs idle (8B gate_up at M = 64: 112 groups on 132 SMs). A CTA's run
+// is cut into segments, one per group, processed from the highest group down:
+//  * its first segment may end inside its group: the CTA stores that partial tile (its fp32
+//    accumulators, in register order) in its own workspace slot and raises its flag;
+//  * its last segment may start inside its group: the CTA then waits for the flags of the lower
+//    CTAs holding the group's first k-tiles, adds their partials (highest CTA first: a fixed
+//    order, so the result is deterministic), writes y and lowers those flags again;
+//  * segments covering a whole group write y directly.
+// A CTA waits only on lower-numbered CTAs, which the GPU dispatches first and which raise their
+// flags before they wait on anything: no deadlock, even when not all CTAs are resident at once.
+// The partials are written early in each CTA's run and read at the end, so the wait is short.
+
+// The CTA whose run holds unit u (the largest c with c U / G <= u).
+__device__ __forceinline__ int streamcta(int64_t u, int64_t units, int grid) {
+    return static_cast<int>((grid * u + grid - 1) / units);
+}
+
+__device__ __forceinline__ void flag_raise(int* flag) {  // after a barrier over the writers
+    __threadfence();
+    asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(flag), "r"(1) : "memory");
+}
+
+__device__ __forceinline__ void flag_wait(const int* flag) {
+    int v;
+    for (;;) {
+        asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(flag) : "memory");
+        if (v != 0) return;
+        __nanosleep(64);
+    }
+}
+
+// Accumulators -> y directly (no shared memory: the ring may still be loading the next
+// segment). c0, c1: row g, tokens 2t, 2t + 1; c2, c3: row g + 8.
+template <int TM, bool BF16>
+__device__ __forceinline__ void store_acc_y(void* y, const float (&acc)[kNT][TM / 8][4], int n0,
+                                            int m0, int m_valid, int n, int warp, int lane) {
+    using T = std::conditional_t<BF16, __nv_bfloat16, __half>;
+    T* out = static_cast<T*>(y);
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int i = 0; i < kNT; ++i)
+#pragma unroll
+        for (int f = 0; f < TM / 8; ++f)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int row = n0 + (warp * kNT + i) * kTileN + g + (e >> 1) * 8;
+                const int tok = f * 8 + 2 * t + (e & 1);
+                if (tok < m_valid && row < n) {
+                    const int64_t at = static_cast<int64_t>(m0 + tok) * n + row;
+                    if constexpr (BF16) out[at] = __float2bfloat16_rn(acc[i][f][e]);
+                    else out[at] = __float2half_rn(acc[i][f][e]);
+                }
+            }
+}
 
 // ------------------------------------------------------------------------------ kernels
 
-// Grid (n-tile groups, splits, token tiles). 2 CTAs/SM where shared memory allows (TM <= 32).
+// Grid (n-tile groups, splits, token tiles); SK (stream-K, mode kStream): (CTAs, 1, 1), one
+// token tile. 2 CTAs/SM where shared memory allows (TM <= 32).
 // WG: wgmma (sm_90a, wgmma.cuh) instead of mma.sync; the x tile is stored in its layout.
-template <int BITS, int TM, bool BF16, bool WG>
+template <int BITS, int TM, bool BF16, bool WG, bool SK>
 __global__ void __launch_bounds__(kThreads, TM <= 32 ? 2 : 1) mma_kernel(const Params p) {
+    static_assert(!(SK && WG), "stream-K is built for the mma.sync kernel only");
     using L = Layout<BITS, TM>;
     extern __shared__ __align__(16) uint8_t smem[];
     __shared__ uint16_t cbh[32];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int nt0 = blockIdx.x * kGroupTiles, m0 = blockIdx.z * TM;
-    const int kbeg = blockIdx.y * p.kchunk, nk = min(p.kchunk, p.k_tiles - kbeg);
+    const int m0 = blockIdx.z * TM, kt_n = p.k_tiles;
     const uint32_t s_base = smem_u32(smem);
+
+    // This CTA's units [u0, u1), u = group * k_tiles + k-tile: one group's k-chunk blockIdx.y, or
+    // (SK) an equal share of all groups' units.
+    const int64_t units = ceil_div(p.n_tiles, kGroupTiles) * static_cast<int64_t>(kt_n);
+    int u0, u1;
+    if constexpr (SK) {
+        u0 = static_cast<int>(blockIdx.x * units / gridDim.x);
+        u1 = static_cast<int>((blockIdx.x + 1) * units / gridDim.x);
+    } else {
+        u0 = blockIdx.x * kt_n + blockIdx.y * p.kchunk;
+        u1 = min(u0 + p.kchunk, static_cast<int>(blockIdx.x + 1) * kt_n);
+    }
+    const int nk = u1 - u0, g_low = u0 / kt_n;
 
     // Copy roles, fixed per thread; the sources advance by one k-tile per load (loop-carried, so
     // they stay in registers instead of 64-bit address math per k-tile):
@@ -80,15 +158,24 @@ __global__ void __launch_bounds__(kThreads, TM <= 32 ? 2 : 1) mma_kernel(const P
     const int w_tile = tid >> 4, a_tile = (tid >> 2) & (kGroupTiles - 1);
     const int x_row = WG ? (tid & 7) | ((tid >> 7) << 3) : tid >> 4;
     const int x_chunk = WG ? (tid >> 3) & 15 : tid & 15;
-    const bool w_ok = nt0 + w_tile < p.n_tiles, a_ok = nt0 + a_tile < p.n_tiles;
-    const int64_t w_tk = static_cast<int64_t>(min(nt0 + w_tile, p.n_tiles - 1)) * p.k_tiles + kbeg;
-    const int64_t a_tk = static_cast<int64_t>(min(nt0 + a_tile, p.n_tiles - 1)) * p.k_tiles + kbeg;
-    const uint8_t* w_next = p.qw + w_tk * (BITS * 256) + (tid & 15) * 16;
-    const uint8_t* a_next = p.am + a_tk * 64 + (tid & 3) * 16;
     const int x_col = x_chunk * 8;
-    int x_k = kbeg * kTileK + x_col;  // x column of this thread's next chunk
-    const uint8_t* x_next =
-        p.x + static_cast<int64_t>(min(m0 + x_row, p.M - 1)) * p.ldx_bytes + x_k * 2;
+    const uint8_t* x_row_ptr = p.x + static_cast<int64_t>(min(m0 + x_row, p.M - 1)) * p.ldx_bytes;
+    bool w_ok, a_ok;
+    const uint8_t *w_next, *a_next, *x_next;
+    int x_k;  // x column of this thread's next chunk
+    auto seek = [&](int group, int kt) {  // the sources of k-tile kt of n-tile group `group`
+        const int nt0 = group * kGroupTiles;
+        w_ok = nt0 + w_tile < p.n_tiles, a_ok = nt0 + a_tile < p.n_tiles;
+        const int64_t w_tk = static_cast<int64_t>(min(nt0 + w_tile, p.n_tiles - 1)) * kt_n + kt;
+        const int64_t a_tk = static_cast<int64_t>(min(nt0 + a_tile, p.n_tiles - 1)) * kt_n + kt;
+        w_next = p.qw + w_tk * (BITS * 256) + (tid & 15) * 16;
+        a_next = p.am + a_tk * 64 + (tid & 3) * 16;
+        x_k = kt * kTileK + x_col;
+        x_next = x_row_ptr + x_k * 2;
+    };
+    // Segments (one per group) from the highest group down; the first ends at u1.
+    int l_group = (u1 - 1) / kt_n, l_kt = max(u0 - l_group * kt_n, 0), l_end = u1 - l_group * kt_n;
+    seek(l_group, l_kt);
     int load_slot = 0;
 
     auto load_next = [&]() {  // the next k-tile of this CTA into the next ring slot
@@ -110,6 +197,12 @@ __global__ void __launch_bounds__(kThreads, TM <= 32 ? 2 : 1) mma_kernel(const P
         }
         w_next += BITS * 256, a_next += 64, x_next += kTileK * 2, x_k += kTileK;
         load_slot = load_slot + 1 == p.stages ? 0 : load_slot + 1;
+        if constexpr (SK) {
+            if (++l_kt == l_end && l_group > g_low) {  // on to the next group down
+                --l_group, l_kt = max(u0 - l_group * kt_n, 0), l_end = kt_n;
+                seek(l_group, l_kt);
+            }
+        }
     };
 
     // Prologue first, so that building the table overlaps the first loads' latency.
@@ -128,15 +221,65 @@ __global__ void __launch_bounds__(kThreads, TM <= 32 ? 2 : 1) mma_kernel(const P
     // ldmatrix row addresses: lane -> token (lane & 7) + 8 (lane >> 4), k + 8 ((lane >> 3) & 1)
     const int x_tok = TM == 8 ? (lane & 7) : (lane & 7) + ((lane >> 4) << 3);
     const uint32_t x_lane0 = s_base + L::kW + L::kA + x_tok * kXRow + ((lane >> 3) & 1) * 16;
-    const bool warp_busy = nt0 + warp * kNT < p.n_tiles;
 
     float acc[kNT][TM / 8][4];
+    auto clear_acc = [&]() {
 #pragma unroll
-    for (int i = 0; i < kNT; ++i)
+        for (int i = 0; i < kNT; ++i)
 #pragma unroll
-        for (int f = 0; f < TM / 8; ++f)
+            for (int f = 0; f < TM / 8; ++f)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) acc[i][f][e] = 0.f;
+                for (int e = 0; e < 4; ++e) acc[i][f][e] = 0.f;
+    };
+    clear_acc();
+
+    // The segment being computed: group c_group, k-tiles [c_lo, c_end), c_left still to do.
+    int c_group = (u1 - 1) / kt_n, c_lo = max(u0 - c_group * kt_n, 0), c_end = u1 - c_group * kt_n;
+    int c_left = c_end - c_lo;
+    bool warp_busy = c_group * kGroupTiles + warp * kNT < p.n_tiles;
+
+    // SK: the segment is complete (see the stream-K helpers above).
+    auto segment_done = [&]() {
+        constexpr int kRegs4 = kNT * TM / 8;  // float4 accumulators per thread
+        float4* part = reinterpret_cast<float4*>(p.ws);  // [grid][kRegs4][kThreads]
+        const int cta = blockIdx.x;
+        if (c_end < kt_n) {  // the group goes on in the next CTA: leave a partial tile
+            float4* mine = part + static_cast<int64_t>(cta) * kRegs4 * kThreads + tid;
+#pragma unroll
+            for (int i = 0; i < kNT; ++i)
+#pragma unroll
+                for (int f = 0; f < TM / 8; ++f)
+                    mine[(i * (TM / 8) + f) * kThreads] =
+                        make_float4(acc[i][f][0], acc[i][f][1], acc[i][f][2], acc[i][f][3]);
+            __syncthreads();
+            if (tid == 0) flag_raise(p.flags + cta);
+        } else {
+            if (c_lo > 0) {  // the group's first k-tiles are partials of the CTAs below
+                const int first = streamcta(static_cast<int64_t>(c_group) * kt_n, units, gridDim.x);
+                if (tid == 0)
+                    for (int c = first; c < cta; ++c) flag_wait(p.flags + c);
+                __syncthreads();
+                for (int c = cta - 1; c >= first; --c) {
+                    const float4* src = part + static_cast<int64_t>(c) * kRegs4 * kThreads + tid;
+#pragma unroll
+                    for (int i = 0; i < kNT; ++i)
+#pragma unroll
+                        for (int f = 0; f < TM / 8; ++f) {
+                            const float4 v = __ldcg(src + (i * (TM / 8) + f) * kThreads);
+                            acc[i][f][0] += v.x, acc[i][f][1] += v.y;
+                            acc[i][f][2] += v.z, acc[i][f][3] += v.w;
+                        }
+                }
+                if (tid == 0)  // zero again for the next launch, which runs after this one
+                    for (int c = first; c < cta; ++c) p.flags[c] = 0;
+            }
+            store_acc_y<TM, BF16>(p.y, acc, c_group * kGroupRows, m0, min(TM, p.M - m0), p.n,
+                                  warp, lane);
+        }
+        clear_acc();
+        --c_group, c_lo = max(u0 - c_group * kt_n, 0), c_end = kt_n, c_left = c_end - c_lo;
+        warp_busy = c_group * kGroupTiles + warp * kNT < p.n_tiles;
+    };
 
     int slot = 0;
 #pragma unroll 1
@@ -160,7 +303,10 @@ __global__ void __launch_bounds__(kThreads, TM <= 32 ? 2 : 1) mma_kernel(const P
                                            smem + stage + L::kW + warp * kNT * 64, lane, tbl_lane,
                                            stride, x_lane0 + stage);
         slot = slot + 1 == p.stages ? 0 : slot + 1;
+        if constexpr (SK)
+            if (--c_left == 0) segment_done();
     }
+    if constexpr (SK) return;
     cp_async_wait<0>();
     __syncthreads();  // the ring and the table are dead: reuse them for the output tile
 
@@ -169,7 +315,7 @@ __global__ void __launch_bounds__(kThreads, TM <= 32 ? 2 : 1) mma_kernel(const P
 
     // Write-out in float4 units (4 rows of one token): coalesced along n.
     constexpr int kRowUnits = kGroupRows / 4, kUnits = TM * kRowUnits;
-    const int n0 = nt0 * kTileN, m_valid = min(TM, p.M - m0);
+    const int n0 = blockIdx.x * kGroupRows, m_valid = min(TM, p.M - m0);
     if (p.mode == kCluster) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
         // The splits of this output tile are one cluster: rank r sums units [r*per, (r+1)*per)
@@ -202,24 +348,70 @@ __global__ void __launch_bounds__(kThreads, TM <= 32 ? 2 : 1) mma_kernel(const P
 // --------------------------------------------------------------------------------- host
 
 // Per device and kernel (cached): table copies, stages, shared memory, cluster support.
-template <int BITS, int TM, bool BF16, bool WG>
+template <int BITS, int TM, bool BF16, bool WG, bool SK>
 RingConfig pick_config(int dev) {
     static std::mutex mu;
     static std::unordered_map<int, RingConfig> cache;
     const std::lock_guard<std::mutex> lock(mu);
     if (auto it = cache.find(dev); it != cache.end()) return it->second;
     using L = Layout<BITS, TM>;
-    const RingConfig c = configure_ring(mma_kernel<BITS, TM, BF16, WG>, dev, BITS, kThreads,
+    const RingConfig c = configure_ring(mma_kernel<BITS, TM, BF16, WG, SK>, dev, BITS, kThreads,
                                         L::kStage, L::kOut, 128, TM <= 32 ? 2 : 1, kMaxStages,
                                         kMaxSplits, "mma");
     cache.emplace(dev, c);
     return c;
 }
 
+// kStream flags, per device and stream: kernels of one stream run one after the other and each
+// launch leaves its flags zero again; two streams never share flags. Allocated and zeroed on
+// first use, also while `stream` is being captured into a CUDA graph (neither is a stream
+// operation; relaxed capture mode allows them on this thread). Never freed (16 KB each).
+constexpr int kMaxStreamCtas = 4096;
+
+int* stream_flags(int dev, cudaStream_t stream) {
+    static std::mutex mu;
+    static std::map<std::pair<int, cudaStream_t>, int*> flags;
+    const std::lock_guard<std::mutex> lock(mu);
+    if (auto it = flags.find({dev, stream}); it != flags.end()) return it->second;
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    C10_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
+    int* f = nullptr;
+    cudaStream_t side = nullptr;
+    cudaError_t err = cudaMalloc(&f, kMaxStreamCtas * sizeof(int));
+    if (err == cudaSuccess) err = cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking);
+    if (err == cudaSuccess) err = cudaMemsetAsync(f, 0, kMaxStreamCtas * sizeof(int), side);
+    if (err == cudaSuccess) err = cudaStreamSynchronize(side);
+    if (side != nullptr) (void)cudaStreamDestroy(side);
+    C10_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
+    C10_CUDA_CHECK(err);
+    flags.emplace(std::make_pair(dev, stream), f);
+    return f;
+}
+
+// Stream-K where it shortens the longest CTA enough. Split-K costs waves x (k-tiles per CTA + 1)
+// (as in choose_splits); stream-K its one wave plus ~4 k-tiles for the fp32 partial tiles written,
+// waited for and added through L2 (the same in every shape of the H100 A/B in
+// benchmarks/results/ab_streamk_h100_s18.md: M = 64, 70B gate_up 262 -> 211 us (224 tiles on
+// 132 SMs); M = 24, 8B down 38 -> 33; but 8B o 16.9 -> 21.4, where 8-CTA clusters reduce over
+// DSMEM). Needs one token tile (M <= TM: always so up to M = 64).
+// KBIT_MMA_STREAMK=0 never, =1 wherever it applies; KBIT_MMA_SPLITS=n turns it off.
+bool use_stream(int64_t units, int64_t grid, int64_t split_ctas, int64_t slots, int kchunk,
+                int m_tiles) {
+    const int mode = env_int("KBIT_MMA_STREAMK", -1);
+    if (mode == 0 || m_tiles != 1 || units < 2) return false;
+    if (mode == 1) return true;
+    if (env_int("KBIT_MMA_SPLITS", 0) > 0) return false;
+    const double split_cost = std::ceil(split_ctas / static_cast<double>(slots)) * (kchunk + 1);
+    return static_cast<double>(ceil_div(units, grid) + 4) < split_cost;
+}
+
 template <int BITS, int TM, bool BF16, bool WG>
 void run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& absmax,
          const at::Tensor& codebook, at::Tensor& y, const TiledShape& s) {
-    const RingConfig c = pick_config<BITS, TM, BF16, WG>(x.get_device());
+    // Stream-K is built for the 32- and 64-token tiles (M = 17..64: compute-bound, so SMs left
+    // idle by whole tiles cost the most).
+    constexpr bool kStreamBuilt = !WG && TM >= 32;
+    const RingConfig c = pick_config<BITS, TM, BF16, WG, false>(x.get_device());
     const int M = static_cast<int>(x.size(0));
     const int n_groups = static_cast<int>(ceil_div(s.n_tiles, kGroupTiles));
     const int m_tiles = static_cast<int>(ceil_div(M, TM)), k_tiles = static_cast<int>(s.k_tiles);
@@ -229,11 +421,19 @@ void run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& absma
         splits = std::min({forced, kMaxSplits, k_tiles});
     const int kchunk = static_cast<int>(ceil_div(k_tiles, splits));
     splits = static_cast<int>(ceil_div(k_tiles, kchunk));
-    const int mode = splits == 1                                                    ? kDirect
-                     : use_cluster(c.clusters, double(n_groups) * m_tiles, splits, slots) ? kCluster
-                                                                                          : kWorkspace;
+    const int64_t units = int64_t{n_groups} * k_tiles;
+    const int64_t grid = std::min({slots, units, int64_t{kMaxStreamCtas}});
+    const bool use_sk = kStreamBuilt && use_stream(units, grid, int64_t{n_groups} * m_tiles * splits,
+                                                   slots, kchunk, m_tiles);
+    int mode = kDirect;
+    if (use_sk) mode = kStream;
+    else if (splits > 1)
+        mode = use_cluster(c.clusters, double(n_groups) * m_tiles, splits, slots) ? kCluster
+                                                                                  : kWorkspace;
     at::Tensor ws;
     if (mode == kWorkspace) ws = at::empty({splits, M, s.n}, x.options().dtype(at::kFloat));
+    if (mode == kStream)  // one partial tile (kNT x TM/8 float4 per thread) per CTA
+        ws = at::empty({grid * kThreads * kNT * TM / 2}, x.options().dtype(at::kFloat));
 
     Params p{};
     p.x = static_cast<const uint8_t*>(x.data_ptr());
@@ -242,15 +442,26 @@ void run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& absma
     p.am = absmax.data_ptr<uint8_t>();
     p.cb = codebook.data_ptr<float>();
     p.y = y.data_ptr();
-    p.ws = mode == kWorkspace ? ws.data_ptr<float>() : nullptr;
+    p.ws = ws.defined() ? ws.data_ptr<float>() : nullptr;
     p.M = M, p.n = static_cast<int>(s.n), p.K = static_cast<int>(s.k);
     p.n_tiles = static_cast<int>(s.n_tiles), p.k_tiles = k_tiles;
     p.kchunk = kchunk, p.splits = splits, p.stages = c.stages, p.mode = mode;
     p.copies_log2 = c.copies_log2, p.ring_off = c.table_bytes + 64;
 
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-    launch_kernel(mma_kernel<BITS, TM, BF16, WG>, dim3(n_groups, splits, m_tiles), kThreads, c.smem,
-                  stream, mode == kCluster ? splits : 1, false, p);
+    if constexpr (kStreamBuilt) {
+        if (mode == kStream) {
+            const RingConfig cs = pick_config<BITS, TM, BF16, WG, true>(x.get_device());
+            TORCH_CHECK(cs.smem == c.smem && cs.ctas_per_sm == c.ctas_per_sm,
+                        "kbit::mma: the stream-K kernel has another launch configuration");
+            p.flags = stream_flags(x.get_device(), stream);
+            launch_kernel(mma_kernel<BITS, TM, BF16, WG, true>, dim3(static_cast<unsigned>(grid)),
+                          kThreads, c.smem, stream, 1, false, p);
+            return;
+        }
+    }
+    launch_kernel(mma_kernel<BITS, TM, BF16, WG, false>, dim3(n_groups, splits, m_tiles), kThreads,
+                  c.smem, stream, mode == kCluster ? splits : 1, false, p);
     if (mode == kWorkspace) {
         const int64_t count = int64_t{M} * s.n;
         const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(count, 256), slots * 4));

@@ -106,6 +106,7 @@ def _wgmma_env(monkeypatch, wg: str) -> None:
         "KBIT_MMA_SPLITS",
         "KBIT_MMA_NO_CLUSTER",
         "KBIT_MMA_FORCE_CLUSTER",
+        "KBIT_MMA_STREAMK",
     ):
         monkeypatch.delenv(var, raising=False)
 
@@ -213,15 +214,48 @@ def test_split_k_paths(monkeypatch, m: int, dtype: torch.dtype) -> None:
         assert torch.equal(_mma(x, qt, at, cb, bits, n), y)
 
 
+# Stream-K (KBIT_MMA_STREAMK=1: wherever it applies, M = 17..64): n-tile groups and k-tiles shared
+# out evenly over CTAs, across group boundaries. (300, 640): 10 units, one per CTA, chains of 5
+# CTAs per group; (4144, 1024): 17 groups (the last 3 n-tiles) x 8 k-tiles, CTAs of 1-2 units;
+# (12304, 1024): 392 units, runs of ~3 units crossing groups; (1000, 4128): a K tail.
+STREAM_SHAPES = [(300, 640), (4144, 1024), (12304, 1024), (1000, 4128)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", [2, 3, 4, 5])
+def test_stream_k(monkeypatch, bits: int, dtype: torch.dtype) -> None:
+    monkeypatch.setenv("KBIT_MMA_STREAMK", "1")
+    for n, k in STREAM_SHAPES:
+        qt, at, cb, w32 = _quantized(n, k, bits)
+        for m in [17, 32, 33, 64]:
+            x = _x(m, k, dtype, seed=m + bits)
+            y = _mma(x, qt, at, cb, bits, n)
+            _check(y, x, w32)
+            assert torch.equal(_mma(x, qt, at, cb, bits, n), y), f"{n}x{k} M={m}: not deterministic"
+        # One-hot tokens (token t = column c_t, spread over all k-tiles): y = W[:, c_t] exactly,
+        # one product per output, whatever CTA holds which k-tile: any wrong row, token, k-tile
+        # or partial shows as a wrong value.
+        for m in [20, 64]:
+            cols = (torch.arange(m, device="cuda") * 997) % k
+            x = torch.zeros(m, k, dtype=dtype, device="cuda")
+            x[torch.arange(m, device="cuda"), cols] = 1
+            y = _mma(x, qt, at, cb, bits, n)
+            want = w32.to(dtype)[:, cols].t()
+            bad = (y != want).nonzero()
+            where = f"{n}x{k} M={m}: {bad.shape[0]} wrong, first (token, row) {bad[:4].tolist()}"
+            assert bad.numel() == 0, where
+
+
 @pytest.mark.parametrize(
     "wg", ["0", pytest.param("1", marks=wgmma), pytest.param("2", marks=wgmma)]
 )
-@pytest.mark.parametrize("reduction", ["cluster", "workspace"])
+@pytest.mark.parametrize("reduction", ["cluster", "workspace", "stream"])
 @pytest.mark.parametrize("m", [16, 64, 100, 200])
 def test_cuda_graph_replay_equals_eager(monkeypatch, m: int, reduction: str, wg: str) -> None:
     # "1": the first wgmma variant for M > 32; "2": the warp-specialized kernel (any M)
     _wgmma_env(monkeypatch, wg)
-    # split-K: cluster (wherever the GPU has them) or workspace path
+    # split-K: cluster (wherever the GPU has them), workspace or (M = 17..64) stream-K
+    monkeypatch.setenv("KBIT_MMA_STREAMK", "1" if reduction == "stream" else "0")
     monkeypatch.setenv(
         "KBIT_MMA_FORCE_CLUSTER" if reduction == "cluster" else "KBIT_MMA_NO_CLUSTER", "1"
     )

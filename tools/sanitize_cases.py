@@ -43,6 +43,24 @@ for bits in BITS:
                     assert err < 2e-2, f"{path} bits={bits} n={n} k={k} m={m} {dtype}: rel err {err}"
 os.environ.pop("KBIT_FORCE_KERNEL", None)
 
+# stream-K of kbit::mma (KBIT_MMA_STREAMK=1, M = 17..64): CTAs whose runs cross n-tile groups, the
+# partial tiles and flags between them, a last group of 3 n-tiles, a K tail
+os.environ["KBIT_MMA_STREAMK"] = "1"
+for bits in BITS:
+    cb = default_codebook(bits).to(dev)
+    for n, k in ((4144, 1024), (1000, 4128)):
+        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
+        qt, at = K_OPS.repack(*K_OPS.quantize(w, cb, bits), bits)
+        w_deq = K_OPS.dequantize_tiled(qt, at, cb, bits, n, k, torch.float16).float()
+        for dtype in DTYPES:
+            for m in (17, 64):
+                x = torch.randn(m, k, device=dev, dtype=dtype)
+                want = x.float() @ w_deq.t()
+                y = K_OPS.mma(x, qt, at, cb, bits, n).float()
+                err = ((y - want).norm() / want.norm()).item()
+                assert err < 2e-2, f"stream-K bits={bits} n={n} k={k} m={m} {dtype}: rel err {err}"
+os.environ.pop("KBIT_MMA_STREAMK")
+
 # the wgmma variant of kbit::mma (KBIT_MMA_WGMMA=1 takes it for M > 32 on sm_90a builds): both
 # tile widths (M 64 -> TM 64, M 300 -> TM 128), a tail in N and K, every k in BITS
 from vllm_kbit import _C
