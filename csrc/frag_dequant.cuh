@@ -58,6 +58,18 @@ struct Layout {
     static constexpr int kOut = TM * kOutRow * 4;
 };
 
+// threadIdx.x read once and kept in a register: under register pressure (mma.cu's 32- and
+// 64-token tiles) the compiler otherwise re-reads it inside the k-tile loop (S2R, a variable-
+// latency read the next instruction waits for: 6% of the stall samples of the 64-token kernel,
+// benchmarks/results/ncu_mma_gate_up_m64_stalls_h100_s18.txt; 1-3% faster at M = 64,
+// ab_thread_index_h100_s18.md). Volatile asm is never re-executed. Not used by moe.cu's grouped
+// kernel (same A/B: Qwen3 k=2 M=16 -12% but M=64 +7%) nor wgmma_gemm.cuh (no change).
+__device__ __forceinline__ int thread_index() {
+    int t;
+    asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(t));
+    return t;
+}
+
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }

@@ -130,7 +130,7 @@ __global__ void __launch_bounds__(kThreads, TM <= 32 ? 2 : 1) mma_kernel(const P
     using L = Layout<BITS, TM>;
     extern __shared__ __align__(16) uint8_t smem[];
     __shared__ uint16_t cbh[32];
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int tid = thread_index(), lane = tid & 31, warp = tid >> 5;
     const int m0 = blockIdx.z * TM, kt_n = p.k_tiles;
     const uint32_t s_base = smem_u32(smem);
 
