@@ -43,22 +43,28 @@ for bits in BITS:
                     assert err < 2e-2, f"{path} bits={bits} n={n} k={k} m={m} {dtype}: rel err {err}"
 os.environ.pop("KBIT_FORCE_KERNEL", None)
 
+
+def check_mma(what: str, shapes: tuple, ms: tuple) -> None:
+    """kbit::mma, as the KBIT_MMA_* environment selects it, against x @ the dequantized W."""
+    for bits in BITS:
+        cb = default_codebook(bits).to(dev)
+        for n, k in shapes:
+            w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
+            qt, at = K_OPS.repack(*K_OPS.quantize(w, cb, bits), bits)
+            w_deq = K_OPS.dequantize_tiled(qt, at, cb, bits, n, k, torch.float16).float()
+            for dtype in DTYPES:
+                for m in ms:
+                    x = torch.randn(m, k, device=dev, dtype=dtype)
+                    want = x.float() @ w_deq.t()
+                    y = K_OPS.mma(x, qt, at, cb, bits, n).float()
+                    err = ((y - want).norm() / want.norm()).item()
+                    assert err < 2e-2, f"{what} bits={bits} n={n} k={k} m={m} {dtype}: rel err {err}"
+
+
 # stream-K of kbit::mma (KBIT_MMA_STREAMK=1, M = 17..64): CTAs whose runs cross n-tile groups, the
 # partial tiles and flags between them, a last group of 3 n-tiles, a K tail
 os.environ["KBIT_MMA_STREAMK"] = "1"
-for bits in BITS:
-    cb = default_codebook(bits).to(dev)
-    for n, k in ((4144, 1024), (1000, 4128)):
-        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
-        qt, at = K_OPS.repack(*K_OPS.quantize(w, cb, bits), bits)
-        w_deq = K_OPS.dequantize_tiled(qt, at, cb, bits, n, k, torch.float16).float()
-        for dtype in DTYPES:
-            for m in (17, 64):
-                x = torch.randn(m, k, device=dev, dtype=dtype)
-                want = x.float() @ w_deq.t()
-                y = K_OPS.mma(x, qt, at, cb, bits, n).float()
-                err = ((y - want).norm() / want.norm()).item()
-                assert err < 2e-2, f"stream-K bits={bits} n={n} k={k} m={m} {dtype}: rel err {err}"
+check_mma("stream-K", ((4144, 1024), (1000, 4128)), (17, 64))
 os.environ.pop("KBIT_MMA_STREAMK")
 
 # the wgmma variant of kbit::mma (KBIT_MMA_WGMMA=1 takes it for M > 32 on sm_90a builds): both
@@ -67,19 +73,7 @@ from vllm_kbit import _C
 
 if getattr(_C, "sm90a", 0) == 1 and torch.cuda.get_device_capability() == (9, 0):
     os.environ["KBIT_MMA_WGMMA"] = "1"
-    for bits in BITS:
-        cb = default_codebook(bits).to(dev)
-        for n, k in ((17, 4128), (1000, 96)):
-            w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
-            qt, at = K_OPS.repack(*K_OPS.quantize(w, cb, bits), bits)
-            w_deq = K_OPS.dequantize_tiled(qt, at, cb, bits, n, k, torch.float16).float()
-            for dtype in DTYPES:
-                for m in (40, 300):
-                    x = torch.randn(m, k, device=dev, dtype=dtype)
-                    want = x.float() @ w_deq.t()
-                    y = K_OPS.mma(x, qt, at, cb, bits, n).float()
-                    err = ((y - want).norm() / want.norm()).item()
-                    assert err < 2e-2, f"wgmma bits={bits} n={n} k={k} m={m} {dtype}: rel err {err}"
+    check_mma("wgmma", ((17, 4128), (1000, 96)), (40, 300))
     os.environ.pop("KBIT_MMA_WGMMA")
 
     # the warp-specialized kernel (KBIT_MMA_WGMMA=2, csrc/wgmma_gemm.cu): every configuration
