@@ -41,6 +41,7 @@
 #include "frag_dequant.cuh"
 #include "kbit_format.cuh"
 #include "ops.h"
+#include "stream_k.cuh"
 
 namespace kbit {
 namespace {
@@ -62,24 +63,16 @@ struct Params {
 
 // ------------------------------------------------------------------------- stream-K helpers
 //
-// kStream: with units u = group * k_tiles + k-tile (group = 16 n-tiles), CTA c of G runs the
-// units [c U / G, (c + 1) U / G) (U = all units), so every SM gets the same work where whole
-// tiles per CTA would leave SMs idle (8B gate_up at M = 64: 112 groups on 132 SMs). A CTA's run
-// is cut into segments, one per group, processed from the highest group down:
-//  * its first segment may end inside its group: the CTA stores that partial tile (its fp32
+// kStream: CTAs run equal shares of all (n-tile group, k-tile) units across group boundaries, so
+// every SM gets the same work where whole tiles per CTA would leave SMs idle (70B gate_up at
+// M = 64: 224 groups on 132 SMs). Who runs what and who finishes which group: stream_k.cuh. Here:
+//  * a first segment that ends inside its group: the CTA stores that partial tile (its fp32
 //    accumulators, in register order) in its own workspace slot and raises its flag;
-//  * its last segment may start inside its group: the CTA then waits for the flags of the lower
-//    CTAs holding the group's first k-tiles, adds their partials (highest CTA first: a fixed
-//    order, so the result is deterministic), writes y and lowers those flags again;
+//  * a last segment that starts inside its group: the CTA waits for the flags of the lower CTAs
+//    holding the group's first k-tiles, adds their partials (highest CTA first: a fixed order,
+//    so the result is deterministic), writes y and lowers those flags again;
 //  * segments covering a whole group write y directly.
-// A CTA waits only on lower-numbered CTAs, which the GPU dispatches first and which raise their
-// flags before they wait on anything: no deadlock, even when not all CTAs are resident at once.
 // The partials are written early in each CTA's run and read at the end, so the wait is short.
-
-// The CTA whose run holds unit u (the largest c with c U / G <= u).
-__device__ __forceinline__ int streamcta(int64_t u, int64_t units, int grid) {
-    return static_cast<int>((grid * u + grid - 1) / units);
-}
 
 __device__ __forceinline__ void flag_raise(int* flag) {  // after a barrier over the writers
     __threadfence();
@@ -139,8 +132,8 @@ __global__ void __launch_bounds__(kThreads, TM <= 32 ? 2 : 1) mma_kernel(const P
     const int64_t units = ceil_div(p.n_tiles, kGroupTiles) * static_cast<int64_t>(kt_n);
     int u0, u1;
     if constexpr (SK) {
-        u0 = static_cast<int>(blockIdx.x * units / gridDim.x);
-        u1 = static_cast<int>((blockIdx.x + 1) * units / gridDim.x);
+        u0 = sk::run_begin(blockIdx.x, units, gridDim.x);
+        u1 = sk::run_begin(blockIdx.x + 1, units, gridDim.x);
     } else {
         u0 = blockIdx.x * kt_n + blockIdx.y * p.kchunk;
         u1 = min(u0 + p.kchunk, static_cast<int>(blockIdx.x + 1) * kt_n);
@@ -174,8 +167,9 @@ __global__ void __launch_bounds__(kThreads, TM <= 32 ? 2 : 1) mma_kernel(const P
         x_next = x_row_ptr + x_k * 2;
     };
     // Segments (one per group) from the highest group down; the first ends at u1.
-    int l_group = (u1 - 1) / kt_n, l_kt = max(u0 - l_group * kt_n, 0), l_end = u1 - l_group * kt_n;
-    seek(l_group, l_kt);
+    sk::Segment l_seg = sk::first_segment(u0, u1, kt_n);
+    int l_kt = l_seg.lo;
+    seek(l_seg.group, l_kt);
     int load_slot = 0;
 
     auto load_next = [&]() {  // the next k-tile of this CTA into the next ring slot
@@ -198,9 +192,10 @@ __global__ void __launch_bounds__(kThreads, TM <= 32 ? 2 : 1) mma_kernel(const P
         w_next += BITS * 256, a_next += 64, x_next += kTileK * 2, x_k += kTileK;
         load_slot = load_slot + 1 == p.stages ? 0 : load_slot + 1;
         if constexpr (SK) {
-            if (++l_kt == l_end && l_group > g_low) {  // on to the next group down
-                --l_group, l_kt = max(u0 - l_group * kt_n, 0), l_end = kt_n;
-                seek(l_group, l_kt);
+            if (++l_kt == l_seg.end && l_seg.group > g_low) {  // on to the next group down
+                l_seg = sk::next_segment(l_seg, u0, kt_n);
+                l_kt = l_seg.lo;
+                seek(l_seg.group, l_kt);
             }
         }
     };
@@ -233,17 +228,17 @@ __global__ void __launch_bounds__(kThreads, TM <= 32 ? 2 : 1) mma_kernel(const P
     };
     clear_acc();
 
-    // The segment being computed: group c_group, k-tiles [c_lo, c_end), c_left still to do.
-    int c_group = (u1 - 1) / kt_n, c_lo = max(u0 - c_group * kt_n, 0), c_end = u1 - c_group * kt_n;
-    int c_left = c_end - c_lo;
-    bool warp_busy = c_group * kGroupTiles + warp * kNT < p.n_tiles;
+    // The segment being computed, c_left k-tiles still to do.
+    sk::Segment c_seg = sk::first_segment(u0, u1, kt_n);
+    int c_left = c_seg.end - c_seg.lo;
+    bool warp_busy = c_seg.group * kGroupTiles + warp * kNT < p.n_tiles;
 
     // SK: the segment is complete (see the stream-K helpers above).
     auto segment_done = [&]() {
         constexpr int kRegs4 = kNT * TM / 8;  // float4 accumulators per thread
         float4* part = reinterpret_cast<float4*>(p.ws);  // [grid][kRegs4][kThreads]
         const int cta = blockIdx.x;
-        if (c_end < kt_n) {  // the group goes on in the next CTA: leave a partial tile
+        if (c_seg.end < kt_n) {  // the group goes on in the next CTA: leave a partial tile
             float4* mine = part + static_cast<int64_t>(cta) * kRegs4 * kThreads + tid;
 #pragma unroll
             for (int i = 0; i < kNT; ++i)
@@ -254,8 +249,8 @@ __global__ void __launch_bounds__(kThreads, TM <= 32 ? 2 : 1) mma_kernel(const P
             __syncthreads();
             if (tid == 0) flag_raise(p.flags + cta);
         } else {
-            if (c_lo > 0) {  // the group's first k-tiles are partials of the CTAs below
-                const int first = streamcta(static_cast<int64_t>(c_group) * kt_n, units, gridDim.x);
+            if (c_seg.lo > 0) {  // the group's first k-tiles are partials of the CTAs below
+                const int first = sk::cta_of(int64_t{c_seg.group} * kt_n, units, gridDim.x);
                 if (tid == 0)
                     for (int c = first; c < cta; ++c) flag_wait(p.flags + c);
                 __syncthreads();
@@ -273,12 +268,13 @@ __global__ void __launch_bounds__(kThreads, TM <= 32 ? 2 : 1) mma_kernel(const P
                 if (tid == 0)  // zero again for the next launch, which runs after this one
                     for (int c = first; c < cta; ++c) p.flags[c] = 0;
             }
-            store_acc_y<TM, BF16>(p.y, acc, c_group * kGroupRows, m0, min(TM, p.M - m0), p.n,
+            store_acc_y<TM, BF16>(p.y, acc, c_seg.group * kGroupRows, m0, min(TM, p.M - m0), p.n,
                                   warp, lane);
         }
         clear_acc();
-        --c_group, c_lo = max(u0 - c_group * kt_n, 0), c_end = kt_n, c_left = c_end - c_lo;
-        warp_busy = c_group * kGroupTiles + warp * kNT < p.n_tiles;
+        c_seg = sk::next_segment(c_seg, u0, kt_n);
+        c_left = c_seg.end - c_seg.lo;
+        warp_busy = c_seg.group * kGroupTiles + warp * kNT < p.n_tiles;
     };
 
     int slot = 0;

@@ -6,7 +6,10 @@
   byte counts, K-tail boxes, shared-memory plans, the configurations (C1, C2, C3, C1w, C2w) and
   their choice by M, split-K coverage and the mbarrier ring protocol under random interleavings.
 - tools/gemv_runs_check.cu, the GEMV's work split inside a CTA and where its epilogue finds the
-  sums, against a model of the kernel's main loop, for every CTA shape up to 48 x 96 tiles."""
+  sums, against a model of the kernel's main loop, for every CTA shape up to 48 x 96 tiles.
+- tools/stream_k_check.cu, kbit::mma's stream-K split over CTAs (csrc/stream_k.cuh): the load and
+  compute loops, the partial tiles and which CTA adds them, for every grid up to 48 groups x 40
+  k-tiles on up to 160 CTAs and the Llama layers on 132 / 264."""
 
 from __future__ import annotations
 
@@ -48,3 +51,9 @@ def test_wgmma_index_math(tmp_path: Path) -> None:
 def test_gemv_runs(tmp_path: Path) -> None:
     out = _build_and_run(tmp_path, "gemv_runs_check")
     assert "4615 CTA shapes" in out, out  # 48 x 96 + 7 large ones: the loops ran
+
+
+@pytest.mark.skipif(_nvcc() is None, reason="needs nvcc")
+def test_stream_k_split(tmp_path: Path) -> None:
+    out = _build_and_run(tmp_path, "stream_k_check")
+    assert "262832 grids checked" in out, out  # the loops ran
