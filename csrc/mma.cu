@@ -419,8 +419,15 @@ void run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& absma
     splits = static_cast<int>(ceil_div(k_tiles, kchunk));
     const int64_t units = int64_t{n_groups} * k_tiles;
     const int64_t grid = std::min({slots, units, int64_t{kMaxStreamCtas}});
-    const bool use_sk = kStreamBuilt && use_stream(units, grid, int64_t{n_groups} * m_tiles * splits,
-                                                   slots, kchunk, m_tiles);
+    bool use_sk = false;
+    if constexpr (kStreamBuilt) {
+        if (use_stream(units, grid, int64_t{n_groups} * m_tiles * splits, slots, kchunk, m_tiles)) {
+            // The plan assumed the split-K kernel's launch shape; a GPU or build where the
+            // stream-K kernel fits differently (registers, shared memory) keeps split-K.
+            const RingConfig cs = pick_config<BITS, TM, BF16, WG, true>(x.get_device());
+            use_sk = cs.smem == c.smem && cs.ctas_per_sm == c.ctas_per_sm;
+        }
+    }
     int mode = kDirect;
     if (use_sk) mode = kStream;
     else if (splits > 1)
@@ -447,9 +454,6 @@ void run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& absma
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
     if constexpr (kStreamBuilt) {
         if (mode == kStream) {
-            const RingConfig cs = pick_config<BITS, TM, BF16, WG, true>(x.get_device());
-            TORCH_CHECK(cs.smem == c.smem && cs.ctas_per_sm == c.ctas_per_sm,
-                        "kbit::mma: the stream-K kernel has another launch configuration");
             p.flags = stream_flags(x.get_device(), stream);
             launch_kernel(mma_kernel<BITS, TM, BF16, WG, true>, dim3(static_cast<unsigned>(grid)),
                           kThreads, c.smem, stream, 1, false, p);
