@@ -394,6 +394,13 @@ __device__ __forceinline__ void store_y(void* y, int row, int col, int n, float4
     }
 }
 
+// y[i] = v in y's dtype (round to nearest even).
+template <bool BF16>
+__device__ __forceinline__ void store_y1(void* y, int64_t i, float v) {
+    if constexpr (BF16) static_cast<__nv_bfloat16*>(y)[i] = __float2bfloat16_rn(v);
+    else static_cast<__half*>(y)[i] = __float2half_rn(v);
+}
+
 __device__ __forceinline__ void store_ws(float* ws, int row, int col, int n, float4 v) {
     if (col >= n) return;
     float* dst = ws + static_cast<int64_t>(row) * n + col;
@@ -412,13 +419,11 @@ template <bool BF16>
 __global__ void __launch_bounds__(256) splitk_reduce_kernel(const float* __restrict__ ws,
                                                             void* __restrict__ y, int64_t count,
                                                             int splits) {
-    using T = std::conditional_t<BF16, __nv_bfloat16, __half>;
     const int64_t step = gridDim.x * int64_t{256};
     for (int64_t i = blockIdx.x * int64_t{256} + threadIdx.x; i < count; i += step) {
         float v = 0.f;
         for (int s = 0; s < splits; ++s) v += ws[s * count + i];
-        if constexpr (BF16) reinterpret_cast<T*>(y)[i] = __float2bfloat16_rn(v);
-        else reinterpret_cast<T*>(y)[i] = __float2half_rn(v);
+        store_y1<BF16>(y, i, v);
     }
 }
 

@@ -93,8 +93,6 @@ __device__ __forceinline__ void flag_wait(const int* flag) {
 template <int TM, bool BF16>
 __device__ __forceinline__ void store_acc_y(void* y, const float (&acc)[kNT][TM / 8][4], int n0,
                                             int m0, int m_valid, int n, int warp, int lane) {
-    using T = std::conditional_t<BF16, __nv_bfloat16, __half>;
-    T* out = static_cast<T*>(y);
     const int g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int i = 0; i < kNT; ++i)
@@ -104,11 +102,8 @@ __device__ __forceinline__ void store_acc_y(void* y, const float (&acc)[kNT][TM 
             for (int e = 0; e < 4; ++e) {
                 const int row = n0 + (warp * kNT + i) * kTileN + g + (e >> 1) * 8;
                 const int tok = f * 8 + 2 * t + (e & 1);
-                if (tok < m_valid && row < n) {
-                    const int64_t at = static_cast<int64_t>(m0 + tok) * n + row;
-                    if constexpr (BF16) out[at] = __float2bfloat16_rn(acc[i][f][e]);
-                    else out[at] = __float2half_rn(acc[i][f][e]);
-                }
+                if (tok < m_valid && row < n)
+                    store_y1<BF16>(y, static_cast<int64_t>(m0 + tok) * n + row, acc[i][f][e]);
             }
 }
 
@@ -236,10 +231,14 @@ __global__ void __launch_bounds__(kThreads, TM <= 32 ? 2 : 1) mma_kernel(const P
     // SK: the segment is complete (see the stream-K helpers above).
     auto segment_done = [&]() {
         constexpr int kRegs4 = kNT * TM / 8;  // float4 accumulators per thread
-        float4* part = reinterpret_cast<float4*>(p.ws);  // [grid][kRegs4][kThreads]
+        // CTA c's partial tile, [kRegs4][kThreads] float4: this thread's first one
+        auto partial = [&](int c) {
+            return reinterpret_cast<float4*>(p.ws) + static_cast<int64_t>(c) * kRegs4 * kThreads +
+                   tid;
+        };
         const int cta = blockIdx.x;
         if (c_seg.end < kt_n) {  // the group goes on in the next CTA: leave a partial tile
-            float4* mine = part + static_cast<int64_t>(cta) * kRegs4 * kThreads + tid;
+            float4* mine = partial(cta);
 #pragma unroll
             for (int i = 0; i < kNT; ++i)
 #pragma unroll
@@ -255,7 +254,7 @@ __global__ void __launch_bounds__(kThreads, TM <= 32 ? 2 : 1) mma_kernel(const P
                     for (int c = first; c < cta; ++c) flag_wait(p.flags + c);
                 __syncthreads();
                 for (int c = cta - 1; c >= first; --c) {
-                    const float4* src = part + static_cast<int64_t>(c) * kRegs4 * kThreads + tid;
+                    const float4* src = partial(c);
 #pragma unroll
                     for (int i = 0; i < kNT; ++i)
 #pragma unroll
