@@ -23,6 +23,11 @@
 //  * Stream-K (32- and 64-token tiles, where a cost model says it beats split-K): one wave of CTAs
 //    with equal runs of (n-tile group, k-tile) units across group boundaries; partial tiles meet
 //    through an fp32 workspace and per-CTA flags (see the stream-K helpers).
+//  * What bounds the 64-token tile (H100, benchmarks/results/mma64_anatomy_h100_s19.md): the
+//    HMMA issue rate (~28 of 62 us on 8B gate_up) plus the copy/barrier skeleton of the k-tile
+//    loop (~30 us), which do not overlap; the dequantization is hidden behind the MMAs (~3 us).
+//    Reordering lookups or copies within a k-tile does not change it; a faster M = 64 needs the
+//    MMAs on wgmma with several groups in flight and no CTA-wide barrier per k-tile.
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
