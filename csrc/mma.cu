@@ -537,19 +537,25 @@ bool use_wgmma(const at::Tensor& x, int64_t M, int64_t n) {
 }  // namespace
 
 // The warp-specialized wgmma kernel (wgmma_gemm.cu) by default on sm_90 GPUs (sm_90a builds) for
-// 64 < M <= 256, and up to M = 1024 on layers of >= 32M weights (n x K). On the 8 Llama-3.1
-// 8B / 70B shapes it is the fastest kbit kernel for 64 < M <= 256 (H100, k=4, one decoder
-// layer's linears: 8B M=128 155 us against 225 for the mma.sync / dequant paths, fp16 182;
-// benchmarks/results/bench_linear_h100__s6_cluster.md). With its 128 x 256 configuration (C2w)
-// it also beats dequantize + cuBLAS on the big layers up to M = 1024 (70B layer, k=4, M=512:
-// 0.90x fp16 against 0.67x; 8B 0.74x against 0.64x), while on small ones (8B qkv, o) cuBLAS's
-// fixed cost of a 16-bit weight pass is small enough to win from M = 320
-// (bench_linear_h100__s7_c2w.md). Up to M = 64 the mma.sync kernel ties or wins (8B gate_up,
-// M=64: 62 vs 93 us). KBIT_MMA_WGMMA=0/1/2 overrides.
+// 64 < M <= 256, up to M = 1024 on layers of >= 32M weights (n x K), and for 32 < M <= 64 on
+// layers of <= 16M weights. On the 8 Llama-3.1 8B / 70B shapes it is the fastest kbit kernel for
+// 64 < M <= 256 (H100, k=4, one decoder layer's linears: 8B M=128 155 us against 225 for the
+// mma.sync / dequant paths, fp16 182; benchmarks/results/bench_linear_h100__s6_cluster.md). With
+// its 128 x 256 configuration (C2w) it also beats dequantize + cuBLAS on the big layers up to
+// M = 1024 (70B layer, k=4, M=512: 0.90x fp16 against 0.67x; 8B 0.74x against 0.64x), while on
+// small ones (8B qkv, o) cuBLAS's fixed cost of a 16-bit weight pass is small enough to win from
+// M = 320 (bench_linear_h100__s7_c2w.md). For 32 < M <= 64 its 128 x 64 tile (C1) beats the
+// 64-token mma.sync kernel on every layer of <= 16M weights measured, at M = 40 / 48 / 64 and
+// k = 2 / 4 (bench_linear_h100__s20_smallmid.md, k=4 M=64: 8B o 14.9 vs 16.8 us, Qwen3-30B-A3B o
+// 10.8 vs 14.1 and qkv 13.5 vs 15.8, 8B o / qkv at TP=2 11.0 vs 12.8 and 14.0 vs 15.0): their
+// mma.sync plans need 8-way split-K for enough CTAs, C1's 128-row blocks need fewer. From 25M
+// weights (8B qkv, 70B o / qkv at TP=2, 8B down) it ties or loses (8B qkv 26.2 vs 22.3), and on
+// 8B gate_up it is 1.5x slower. KBIT_MMA_WGMMA=0/1/2 overrides.
 bool wgmma2_by_default(const at::Tensor& x, int64_t M, int64_t n) {
-    const bool big = n * x.size(1) >= (int64_t{32} << 20);
-    return M > 64 && (M <= 256 || (M <= 1024 && big)) && env_int("KBIT_MMA_WGMMA", -1) == -1 &&
-           sm90a_device(x);
+    const int64_t weights = n * x.size(1);
+    const bool big = weights >= (int64_t{32} << 20), small = weights <= (int64_t{1} << 24);
+    const bool by_m = (M > 64 && (M <= 256 || (M <= 1024 && big))) || (M > 32 && M <= 64 && small);
+    return by_m && env_int("KBIT_MMA_WGMMA", -1) == -1 && sm90a_device(x);
 }
 
 at::Tensor mma(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& absmax,

@@ -413,15 +413,17 @@ def test_ws_smoke(ws) -> None:
 
 @wgmma
 @pytest.mark.parametrize("n,k,cases", [
-    # a small layer: the warp-specialized kernel for 64 < M <= 256 only
-    (1000, 4128, [(64, "0"), (65, "2"), (200, "2"), (256, "2"), (257, None)]),
+    # a small layer (<= 16M weights): the warp-specialized kernel for 32 < M <= 256
+    (1000, 4128, [(32, "0"), (33, "2"), (64, "2"), (65, "2"), (200, "2"), (256, "2"), (257, None)]),
+    # 6144 x 4096 = 24M weights (8B qkv): mma.sync up to M = 64
+    (6144, 4096, [(33, "0"), (64, "0"), (65, "2"), (257, None)]),
     # 8192 x 4096 = 32M weights: also up to M = 1024
     (8192, 4096, [(257, "2"), (600, "2"), (1024, "2"), (1025, None)]),
 ])  # fmt: skip
 def test_ws_is_the_default_by_m_and_layer_size(monkeypatch, n: int, k: int, cases: list) -> None:
-    # unset KBIT_MMA_WGMMA: the warp-specialized kernel for 64 < M <= 256 and, on layers of
-    # >= 32M weights, up to M = 1024; mma.sync elsewhere (bitwise equal to the forced kernels:
-    # same configuration, deterministic reductions)
+    # unset KBIT_MMA_WGMMA: the warp-specialized kernel for 64 < M <= 256, on layers of >= 32M
+    # weights up to M = 1024, and on layers of <= 16M weights from M = 33; mma.sync elsewhere
+    # (bitwise equal to the forced kernels: same configuration, deterministic reductions)
     _wgmma_env(monkeypatch, "0")
     bits = 4
     qt, at, cb, w32 = _quantized(n, k, bits, device="cuda" if n * k > 1 << 24 else "cpu")
