@@ -345,23 +345,24 @@ def test_wgmma_one_hot_layout(monkeypatch, dtype: torch.dtype) -> None:
 
 
 @wgmma
-@pytest.mark.parametrize("n,m,want_wg", [(16384, 100, True), (16384, 64, False), (16384, 200, False),
-                                         (32768, 200, True), (1024, 100, False)])  # fmt: skip
-def test_wgmma_chosen_by_shape(monkeypatch, n: int, m: int, want_wg: bool) -> None:
+@pytest.mark.parametrize("n,m,want", [(16384, 100, "1"), (16384, 64, "2"), (16384, 200, "0"),
+                                      (32768, 200, "1"), (1024, 100, "0")])  # fmt: skip
+def test_wgmma_chosen_by_shape(monkeypatch, n: int, m: int, want: str) -> None:
     # KBIT_MMA_WGMMA unset: the wgmma variant for 64 < M <= 128 at n >= 16384 and M <= 256 at
     # n >= 32768 (mma.cu, use_wgmma). Both variants accumulate each k16 step in fp32 in the same
     # order, so with the same split-K they agree bit for bit (H100, ddb3e5f: 4 of these 5 cases);
     # where the splits differ (n = 16384, M = 100) the unset result must equal the wgmma one.
+    # M = 64 on these layers (<= 16M weights) is the warp-specialized kernel's (KBIT_MMA_WGMMA=2).
     k, bits = 256, 4
     qt, at, cb, w32 = _quantized(n, k, bits)
     x = _x(m, k, torch.float16, seed=n + m)
     forced = {}
-    for flag in ("0", "1"):
+    for flag in ("0", "1", "2"):
         monkeypatch.setenv("KBIT_MMA_WGMMA", flag)
         forced[flag] = _mma(x, qt, at, cb, bits, n)
         _check(forced[flag], x, w32)
     monkeypatch.delenv("KBIT_MMA_WGMMA")
-    assert torch.equal(_mma(x, qt, at, cb, bits, n), forced["1" if want_wg else "0"])
+    assert torch.equal(_mma(x, qt, at, cb, bits, n), forced[want])
 
 
 @wgmma
