@@ -27,7 +27,10 @@
 //    HMMA issue rate (~28 of 62 us on 8B gate_up) plus the copy/barrier skeleton of the k-tile
 //    loop (~30 us), which do not overlap; the dequantization is hidden behind the MMAs (~3 us).
 //    Reordering lookups or copies within a k-tile does not change it; a faster M = 64 needs the
-//    MMAs on wgmma with several groups in flight and no CTA-wide barrier per k-tile.
+//    MMAs on wgmma with several groups in flight and no CTA-wide barrier per k-tile. It also runs
+//    at the H100's 700 W cap (SM clock ~1770 of 1980 MHz, power_h100_s20.json), so what it saves
+//    must be energy per weight (instructions, shared-memory and L2 bytes such as every CTA's own
+//    copy of x), not only latency: more SMs (stream-K) or more warps (s20 C1q) gained ~nothing.
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
