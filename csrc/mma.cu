@@ -549,11 +549,12 @@ bool use_wgmma(const at::Tensor& x, int64_t M, int64_t n) {
 // small ones (8B qkv, o) cuBLAS's fixed cost of a 16-bit weight pass is small enough to win from
 // M = 320 (bench_linear_h100__s7_c2w.md). For 32 < M <= 64 its 128 x 64 tile (C1) beats the
 // 64-token mma.sync kernel on every layer of <= 16M weights measured, at M = 40 / 48 / 64 and
-// k = 2 / 4 (bench_linear_h100__s20_smallmid.md, k=4 M=64: 8B o 14.9 vs 16.8 us, Qwen3-30B-A3B o
-// 10.8 vs 14.1 and qkv 13.5 vs 15.8, 8B o / qkv at TP=2 11.0 vs 12.8 and 14.0 vs 15.0): their
-// mma.sync plans need 8-way split-K for enough CTAs, C1's 128-row blocks need fewer. From 25M
-// weights (8B qkv, 70B o / qkv at TP=2, 8B down) it ties or loses (8B qkv 26.2 vs 22.3), and on
-// 8B gate_up it is 1.5x slower. KBIT_MMA_WGMMA=0/1/2 overrides.
+// k = 2..5 (bench_linear_h100__s20_smallmid.md, k=4 M=64: 8B o 14.9 vs 16.8 us, Qwen3-30B-A3B o
+// 10.8 vs 14.1 and qkv 13.5 vs 15.8, 8B o / qkv at TP=2 11.0 vs 12.8 and 14.0 vs 15.0; k = 3 / 5
+// in bench_linear_h100__s20_smallmid_k35.md). There mma.sync's 256-row blocks are few and split
+// K up to 8 ways to fill the GPU; C1's 128-row blocks are twice as many. From 25M weights (8B
+// qkv, 70B o / qkv at TP=2, 8B down) C1 ties or loses (8B qkv 26.2 vs 22.3), and on 8B gate_up
+// it is 1.5x slower. KBIT_MMA_WGMMA=0/1/2 overrides.
 bool wgmma2_by_default(const at::Tensor& x, int64_t M, int64_t n) {
     const int64_t weights = n * x.size(1);
     const bool big = weights >= (int64_t{32} << 20), small = weights <= (int64_t{1} << 24);
