@@ -552,7 +552,7 @@ bool use_wgmma(const at::Tensor& x, int64_t M, int64_t n) {
 // k = 2..5 (bench_linear_h100__s20_smallmid.md, k=4 M=64: 8B o 14.9 vs 16.8 us, Qwen3-30B-A3B o
 // 10.8 vs 14.1 and qkv 13.5 vs 15.8, 8B o / qkv at TP=2 11.0 vs 12.8 and 14.0 vs 15.0; k = 3 / 5
 // in bench_linear_h100__s20_smallmid_k35.md). There mma.sync's 256-row blocks are few and split
-// K up to 8 ways to fill the GPU; C1's 128-row blocks are twice as many. From 25M weights (8B
+// K up to 8 ways to fill the GPU; C1's 128-row blocks are twice as many. From 24M weights (8B
 // qkv, 70B o / qkv at TP=2, 8B down) C1 ties or loses (8B qkv 26.2 vs 22.3), and on 8B gate_up
 // it is 1.5x slower. KBIT_MMA_WGMMA=0/1/2 overrides.
 bool wgmma2_by_default(const at::Tensor& x, int64_t M, int64_t n) {
