@@ -49,13 +49,17 @@ constexpr int kMaxStages = 4;
 // CTAs take equal runs of (tile, k-tile) units across tile boundaries.
 enum Mode : int { kDirect = 0, kCluster = 1, kWorkspace = 2, kStream = 3 };
 
-// Shared-memory bytes of one pipeline stage and of the epilogue tile (aliases the ring).
-template <int BITS, int TM>
+// Shared-memory bytes of one pipeline stage and of the epilogue tile (aliases the ring), for a
+// CTA of 8 warps owning NT tiles each (mma.cu's 64-token kernel also runs NT = 4: 512 rows).
+template <int BITS, int TM, int NT = kNT>
 struct Layout {
-    static constexpr int kW = kGroupTiles * BITS * 256;  // bit planes of 16 tiles
-    static constexpr int kA = kGroupTiles * 64;          // absmax of 16 tiles
+    static constexpr int kTiles = kThreads / 32 * NT;     // weight tiles per CTA
+    static constexpr int kRows = kTiles * kTileN;         // output rows per CTA
+    static constexpr int kOutRowF = kRows + 4;            // floats per token of the epilogue tile
+    static constexpr int kW = kTiles * BITS * 256;        // bit planes of the tiles
+    static constexpr int kA = kTiles * 64;                // their absmax
     static constexpr int kStage = kW + kA + TM * kXRow;
-    static constexpr int kOut = TM * kOutRow * 4;
+    static constexpr int kOut = TM * kOutRowF * 4;
 };
 
 // threadIdx.x read once and kept in a register: under register pressure (mma.cu's 32- and
@@ -345,21 +349,22 @@ __device__ __forceinline__ float4 ld_dsmem(uint32_t local_addr, uint32_t rank) {
 }
 #endif
 
-// Accumulators of warp `warp` -> the epilogue tile out[token][row] (c0, c1: row g, tokens 2t,
-// 2t + 1; c2, c3: row g + 8).
-template <int TM>
-__device__ __forceinline__ void store_acc_tile(float* out, const float (&acc)[kNT][TM / 8][4],
+// Accumulators of warp `warp` (NT tiles) -> the epilogue tile out[token][row], 8 NT 16 + 4 floats
+// per token row (c0, c1: row g, tokens 2t, 2t + 1; c2, c3: row g + 8).
+template <int TM, int NT = kNT>
+__device__ __forceinline__ void store_acc_tile(float* out, const float (&acc)[NT][TM / 8][4],
                                                int warp, int lane) {
+    constexpr int kRowF = kThreads / 32 * NT * kTileN + 4;
     const int g = lane >> 2, t = lane & 3;
 #pragma unroll
-    for (int i = 0; i < kNT; ++i)
+    for (int i = 0; i < NT; ++i)
 #pragma unroll
         for (int f = 0; f < TM / 8; ++f) {
-            const int row = (warp * kNT + i) * kTileN + g, tok = f * 8 + 2 * t;
-            out[tok * kOutRow + row] = acc[i][f][0];
-            out[(tok + 1) * kOutRow + row] = acc[i][f][1];
-            out[tok * kOutRow + row + 8] = acc[i][f][2];
-            out[(tok + 1) * kOutRow + row + 8] = acc[i][f][3];
+            const int row = (warp * NT + i) * kTileN + g, tok = f * 8 + 2 * t;
+            out[tok * kRowF + row] = acc[i][f][0];
+            out[(tok + 1) * kRowF + row] = acc[i][f][1];
+            out[tok * kRowF + row + 8] = acc[i][f][2];
+            out[(tok + 1) * kRowF + row + 8] = acc[i][f][3];
         }
 }
 

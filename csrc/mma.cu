@@ -98,17 +98,17 @@ __device__ __forceinline__ void flag_wait(const int* flag) {
 
 // Accumulators -> y directly (no shared memory: the ring may still be loading the next
 // segment). c0, c1: row g, tokens 2t, 2t + 1; c2, c3: row g + 8.
-template <int TM, bool BF16>
-__device__ __forceinline__ void store_acc_y(void* y, const float (&acc)[kNT][TM / 8][4], int n0,
+template <int TM, bool BF16, int NT>
+__device__ __forceinline__ void store_acc_y(void* y, const float (&acc)[NT][TM / 8][4], int n0,
                                             int m0, int m_valid, int n, int warp, int lane) {
     const int g = lane >> 2, t = lane & 3;
 #pragma unroll
-    for (int i = 0; i < kNT; ++i)
+    for (int i = 0; i < NT; ++i)
 #pragma unroll
         for (int f = 0; f < TM / 8; ++f)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const int row = n0 + (warp * kNT + i) * kTileN + g + (e >> 1) * 8;
+                const int row = n0 + (warp * NT + i) * kTileN + g + (e >> 1) * 8;
                 const int tok = f * 8 + 2 * t + (e & 1);
                 if (tok < m_valid && row < n)
                     store_y1<BF16>(y, static_cast<int64_t>(m0 + tok) * n + row, acc[i][f][e]);
@@ -120,10 +120,12 @@ __device__ __forceinline__ void store_acc_y(void* y, const float (&acc)[kNT][TM 
 // Grid (n-tile groups, splits, token tiles); SK (stream-K, mode kStream): (CTAs, 1, 1), one
 // token tile. 2 CTAs/SM where shared memory allows (TM <= 32).
 // WG: wgmma (sm_90a, wgmma.cuh) instead of mma.sync; the x tile is stored in its layout.
-template <int BITS, int TM, bool BF16, bool WG, bool SK>
-__global__ void __launch_bounds__(kThreads, TM <= 32 ? 2 : 1) mma_kernel(const Params p) {
+template <int BITS, int TM, bool BF16, bool WG, bool SK, int NT>
+__global__ void __launch_bounds__(kThreads, TM <= 32 && NT == kNT ? 2 : 1) mma_kernel(const Params p) {
     static_assert(!(SK && WG), "stream-K is built for the mma.sync kernel only");
-    using L = Layout<BITS, TM>;
+    static_assert(NT == kNT || (NT == 2 * kNT && !WG), "NT: 2, or 4 for mma.sync");
+    using L = Layout<BITS, TM, NT>;
+    constexpr int kGT = L::kTiles, kGR = L::kRows, kWH = NT / kNT;  // kWH: planes copies / thread
     extern __shared__ __align__(16) uint8_t smem[];
     __shared__ uint16_t cbh[32];
     const int tid = thread_index(), lane = tid & 31, warp = tid >> 5;
@@ -132,7 +134,7 @@ __global__ void __launch_bounds__(kThreads, TM <= 32 ? 2 : 1) mma_kernel(const P
 
     // This CTA's units [u0, u1), u = group * k_tiles + k-tile: one group's k-chunk blockIdx.y, or
     // (SK) an equal share of all groups' units.
-    const int64_t units = ceil_div(p.n_tiles, kGroupTiles) * static_cast<int64_t>(kt_n);
+    const int64_t units = ceil_div(p.n_tiles, kGT) * static_cast<int64_t>(kt_n);
     int u0, u1;
     if constexpr (SK) {
         u0 = sk::run_begin(blockIdx.x, units, gridDim.x);
@@ -145,26 +147,32 @@ __global__ void __launch_bounds__(kThreads, TM <= 32 ? 2 : 1) mma_kernel(const P
 
     // Copy roles, fixed per thread; the sources advance by one k-tile per load (loop-carried, so
     // they stay in registers instead of 64-bit address math per k-tile):
-    //  planes: 16-byte chunk (tid & 15) + 16 j of tile tid / 16 (16 threads = one 256-byte plane),
-    //  absmax: threads < 64, chunk tid & 3 of tile tid / 4,
+    //  planes: 16-byte chunk (tid & 15) + 16 j of tiles tid / 16 + 16 h, h < NT / 2 (16 threads =
+    //          one 256-byte plane),
+    //  absmax: threads < 32 NT, chunk tid & 3 of tile tid / 4,
     //  x: token rows tid / 16 + 16 j, columns 8 (tid & 15) .. + 7 of the k-tile; WG: token rows
     //     (tid & 7) + 8 (tid >> 7) + 16 j, columns 8 ((tid >> 3) & 15) .. + 7, so that a warp
     //     fills 512 contiguous bytes of the wgmma layout (conflict-free shared-memory writes).
     // Tiles past n read the (valid) last tile and are zero-filled; so are tokens >= M, cols >= K.
-    const int w_tile = tid >> 4, a_tile = (tid >> 2) & (kGroupTiles - 1);
+    const int w_tile = tid >> 4, a_tile = (tid >> 2) & (kGT - 1);
     const int x_row = WG ? (tid & 7) | ((tid >> 7) << 3) : tid >> 4;
     const int x_chunk = WG ? (tid >> 3) & 15 : tid & 15;
     const int x_col = x_chunk * 8;
     const uint8_t* x_row_ptr = p.x + static_cast<int64_t>(min(m0 + x_row, p.M - 1)) * p.ldx_bytes;
-    bool w_ok, a_ok;
-    const uint8_t *w_next, *a_next, *x_next;
+    bool w_ok[kWH], a_ok;
+    const uint8_t *w_next[kWH], *a_next, *x_next;
     int x_k;  // x column of this thread's next chunk
     auto seek = [&](int group, int kt) {  // the sources of k-tile kt of n-tile group `group`
-        const int nt0 = group * kGroupTiles;
-        w_ok = nt0 + w_tile < p.n_tiles, a_ok = nt0 + a_tile < p.n_tiles;
-        const int64_t w_tk = static_cast<int64_t>(min(nt0 + w_tile, p.n_tiles - 1)) * kt_n + kt;
+        const int nt0 = group * kGT;
+#pragma unroll
+        for (int h = 0; h < kWH; ++h) {
+            const int wt = nt0 + w_tile + 16 * h;
+            w_ok[h] = wt < p.n_tiles;
+            const int64_t w_tk = static_cast<int64_t>(min(wt, p.n_tiles - 1)) * kt_n + kt;
+            w_next[h] = p.qw + w_tk * (BITS * 256) + (tid & 15) * 16;
+        }
+        a_ok = nt0 + a_tile < p.n_tiles;
         const int64_t a_tk = static_cast<int64_t>(min(nt0 + a_tile, p.n_tiles - 1)) * kt_n + kt;
-        w_next = p.qw + w_tk * (BITS * 256) + (tid & 15) * 16;
         a_next = p.am + a_tk * 64 + (tid & 3) * 16;
         x_k = kt * kTileK + x_col;
         x_next = x_row_ptr + x_k * 2;
@@ -178,10 +186,12 @@ __global__ void __launch_bounds__(kThreads, TM <= 32 ? 2 : 1) mma_kernel(const P
     auto load_next = [&]() {  // the next k-tile of this CTA into the next ring slot
         const uint32_t st = s_base + p.ring_off + load_slot * L::kStage;
 #pragma unroll
-        for (int j = 0; j < BITS; ++j)
-            cp_async16(st + w_tile * (BITS * 256) + (tid & 15) * 16 + j * 256, w_next + j * 256,
-                       w_ok);
-        if (tid < kGroupTiles * 4) cp_async16(st + L::kW + tid * 16, a_next, a_ok);
+        for (int h = 0; h < kWH; ++h)
+#pragma unroll
+            for (int j = 0; j < BITS; ++j)
+                cp_async16(st + (w_tile + 16 * h) * (BITS * 256) + (tid & 15) * 16 + j * 256,
+                           w_next[h] + j * 256, w_ok[h]);
+        if (tid < kGT * 4) cp_async16(st + L::kW + tid * 16, a_next, a_ok);
 #pragma unroll
         for (int j = 0; j < (TM * 16 + kThreads - 1) / kThreads; ++j) {
             if (TM * 16 >= kThreads || tid < TM * 16) {
@@ -192,7 +202,9 @@ __global__ void __launch_bounds__(kThreads, TM <= 32 ? 2 : 1) mma_kernel(const P
                            ok ? x_next + j * 16 * p.ldx_bytes : p.x, ok);
             }
         }
-        w_next += BITS * 256, a_next += 64, x_next += kTileK * 2, x_k += kTileK;
+#pragma unroll
+        for (int h = 0; h < kWH; ++h) w_next[h] += BITS * 256;
+        a_next += 64, x_next += kTileK * 2, x_k += kTileK;
         load_slot = load_slot + 1 == p.stages ? 0 : load_slot + 1;
         if constexpr (SK) {
             if (++l_kt == l_seg.end && l_seg.group > g_low) {  // on to the next group down
@@ -220,10 +232,10 @@ __global__ void __launch_bounds__(kThreads, TM <= 32 ? 2 : 1) mma_kernel(const P
     const int x_tok = TM == 8 ? (lane & 7) : (lane & 7) + ((lane >> 4) << 3);
     const uint32_t x_lane0 = s_base + L::kW + L::kA + x_tok * kXRow + ((lane >> 3) & 1) * 16;
 
-    float acc[kNT][TM / 8][4];
+    float acc[NT][TM / 8][4];
     auto clear_acc = [&]() {
 #pragma unroll
-        for (int i = 0; i < kNT; ++i)
+        for (int i = 0; i < NT; ++i)
 #pragma unroll
             for (int f = 0; f < TM / 8; ++f)
 #pragma unroll
@@ -234,11 +246,11 @@ __global__ void __launch_bounds__(kThreads, TM <= 32 ? 2 : 1) mma_kernel(const P
     // The segment being computed, c_left k-tiles still to do.
     sk::Segment c_seg = sk::first_segment(u0, u1, kt_n);
     int c_left = c_seg.end - c_seg.lo;
-    bool warp_busy = c_seg.group * kGroupTiles + warp * kNT < p.n_tiles;
+    bool warp_busy = c_seg.group * kGT + warp * NT < p.n_tiles;
 
     // SK: the segment is complete (see the stream-K helpers above).
     auto segment_done = [&]() {
-        constexpr int kRegs4 = kNT * TM / 8;  // float4 accumulators per thread
+        constexpr int kRegs4 = NT * TM / 8;  // float4 accumulators per thread
         // CTA c's partial tile, [kRegs4][kThreads] float4: this thread's first one
         auto partial = [&](int c) {
             return reinterpret_cast<float4*>(p.ws) + static_cast<int64_t>(c) * kRegs4 * kThreads +
@@ -248,7 +260,7 @@ __global__ void __launch_bounds__(kThreads, TM <= 32 ? 2 : 1) mma_kernel(const P
         if (c_seg.end < kt_n) {  // the group goes on in the next CTA: leave a partial tile
             float4* mine = partial(cta);
 #pragma unroll
-            for (int i = 0; i < kNT; ++i)
+            for (int i = 0; i < NT; ++i)
 #pragma unroll
                 for (int f = 0; f < TM / 8; ++f)
                     mine[(i * (TM / 8) + f) * kThreads] =
@@ -264,7 +276,7 @@ __global__ void __launch_bounds__(kThreads, TM <= 32 ? 2 : 1) mma_kernel(const P
                 for (int c = cta - 1; c >= first; --c) {
                     const float4* src = partial(c);
 #pragma unroll
-                    for (int i = 0; i < kNT; ++i)
+                    for (int i = 0; i < NT; ++i)
 #pragma unroll
                         for (int f = 0; f < TM / 8; ++f) {
                             const float4 v = __ldcg(src + (i * (TM / 8) + f) * kThreads);
@@ -275,13 +287,13 @@ __global__ void __launch_bounds__(kThreads, TM <= 32 ? 2 : 1) mma_kernel(const P
                 if (tid == 0)  // zero again for the next launch, which runs after this one
                     for (int c = first; c < cta; ++c) p.flags[c] = 0;
             }
-            store_acc_y<TM, BF16>(p.y, acc, c_seg.group * kGroupRows, m0, min(TM, p.M - m0), p.n,
-                                  warp, lane);
+            store_acc_y<TM, BF16, NT>(p.y, acc, c_seg.group * kGR, m0, min(TM, p.M - m0), p.n,
+                                      warp, lane);
         }
         clear_acc();
         c_seg = sk::next_segment(c_seg, u0, kt_n);
         c_left = c_seg.end - c_seg.lo;
-        warp_busy = c_seg.group * kGroupTiles + warp * kNT < p.n_tiles;
+        warp_busy = c_seg.group * kGT + warp * NT < p.n_tiles;
     };
 
     int slot = 0;
@@ -298,13 +310,13 @@ __global__ void __launch_bounds__(kThreads, TM <= 32 ? 2 : 1) mma_kernel(const P
         cp_async_commit();  // possibly empty: keeps the group count uniform
         const int stage = p.ring_off + slot * L::kStage;
         if constexpr (WG)  // every warp: wgmma is warpgroup-wide (tiles past n are zeros)
-            tile_step<BITS, TM, kNT, BF16, true>(acc, smem + stage + warp * kNT * BITS * 256,
-                                                 smem + stage + L::kW + warp * kNT * 64, lane,
+            tile_step<BITS, TM, NT, BF16, true>(acc, smem + stage + warp * NT * BITS * 256,
+                                                smem + stage + L::kW + warp * NT * 64, lane,
                                                  tbl_lane, stride, s_base + stage + L::kW + L::kA);
         else if (warp_busy)
-            tile_step<BITS, TM, kNT, BF16>(acc, smem + stage + warp * kNT * BITS * 256,
-                                           smem + stage + L::kW + warp * kNT * 64, lane, tbl_lane,
-                                           stride, x_lane0 + stage);
+            tile_step<BITS, TM, NT, BF16>(acc, smem + stage + warp * NT * BITS * 256,
+                                          smem + stage + L::kW + warp * NT * 64, lane, tbl_lane,
+                                          stride, x_lane0 + stage);
         slot = slot + 1 == p.stages ? 0 : slot + 1;
         if constexpr (SK)
             if (--c_left == 0) segment_done();
@@ -314,11 +326,11 @@ __global__ void __launch_bounds__(kThreads, TM <= 32 ? 2 : 1) mma_kernel(const P
     __syncthreads();  // the ring and the table are dead: reuse them for the output tile
 
     float* out = reinterpret_cast<float*>(smem);
-    store_acc_tile<TM>(out, acc, warp, lane);
+    store_acc_tile<TM, NT>(out, acc, warp, lane);
 
     // Write-out in float4 units (4 rows of one token): coalesced along n.
-    constexpr int kRowUnits = kGroupRows / 4, kUnits = TM * kRowUnits;
-    const int n0 = blockIdx.x * kGroupRows, m_valid = min(TM, p.M - m0);
+    constexpr int kRowUnits = kGR / 4, kUnits = TM * kRowUnits;
+    const int n0 = blockIdx.x * kGR, m_valid = min(TM, p.M - m0);
     if (p.mode == kCluster) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
         // The splits of this output tile are one cluster: rank r sums units [r*per, (r+1)*per)
@@ -329,7 +341,7 @@ __global__ void __launch_bounds__(kThreads, TM <= 32 ? 2 : 1) mma_kernel(const P
         for (int u = rank * per + tid; u < min(kUnits, (rank + 1) * per); u += kThreads) {
             const int tok = u / kRowUnits, r4 = (u % kRowUnits) * 4;
             if (tok >= m_valid) continue;
-            const float4 v = cluster_sum4(s_base + (tok * kOutRow + r4) * 4, p.splits);
+            const float4 v = cluster_sum4(s_base + (tok * L::kOutRowF + r4) * 4, p.splits);
             store_y<BF16>(p.y, m0 + tok, n0 + r4, p.n, v);
         }
         cluster_sync();
@@ -342,7 +354,7 @@ __global__ void __launch_bounds__(kThreads, TM <= 32 ? 2 : 1) mma_kernel(const P
     for (int u = tid; u < kUnits; u += kThreads) {
         const int tok = u / kRowUnits, r4 = (u % kRowUnits) * 4;
         if (tok >= m_valid) continue;
-        const float4 v = *reinterpret_cast<const float4*>(out + tok * kOutRow + r4);
+        const float4 v = *reinterpret_cast<const float4*>(out + tok * L::kOutRowF + r4);
         if (p.mode == kDirect) store_y<BF16>(p.y, m0 + tok, n0 + r4, p.n, v);
         else store_ws(ws, m0 + tok, n0 + r4, p.n, v);
     }
@@ -351,16 +363,16 @@ __global__ void __launch_bounds__(kThreads, TM <= 32 ? 2 : 1) mma_kernel(const P
 // --------------------------------------------------------------------------------- host
 
 // Per device and kernel (cached): table copies, stages, shared memory, cluster support.
-template <int BITS, int TM, bool BF16, bool WG, bool SK>
+template <int BITS, int TM, bool BF16, bool WG, bool SK, int NT>
 RingConfig pick_config(int dev) {
     static std::mutex mu;
     static std::unordered_map<int, RingConfig> cache;
     const std::lock_guard<std::mutex> lock(mu);
     if (auto it = cache.find(dev); it != cache.end()) return it->second;
-    using L = Layout<BITS, TM>;
-    const RingConfig c = configure_ring(mma_kernel<BITS, TM, BF16, WG, SK>, dev, BITS, kThreads,
-                                        L::kStage, L::kOut, 128, TM <= 32 ? 2 : 1, kMaxStages,
-                                        kMaxSplits, "mma");
+    using L = Layout<BITS, TM, NT>;
+    const RingConfig c = configure_ring(mma_kernel<BITS, TM, BF16, WG, SK, NT>, dev, BITS, kThreads,
+                                        L::kStage, L::kOut, 128, TM <= 32 && NT == kNT ? 2 : 1,
+                                        kMaxStages, kMaxSplits, "mma");
     cache.emplace(dev, c);
     return c;
 }
@@ -408,15 +420,15 @@ bool use_stream(int64_t units, int64_t grid, int64_t split_ctas, int64_t slots, 
     return static_cast<double>(ceil_div(units, grid) + 4) < split_cost;
 }
 
-template <int BITS, int TM, bool BF16, bool WG>
+template <int BITS, int TM, bool BF16, bool WG, int NT>
 void run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& absmax,
          const at::Tensor& codebook, at::Tensor& y, const TiledShape& s) {
     // Stream-K is built for the 32- and 64-token tiles (M = 17..64: compute-bound, so SMs left
     // idle by whole tiles cost the most).
     constexpr bool kStreamBuilt = !WG && TM >= 32;
-    const RingConfig c = pick_config<BITS, TM, BF16, WG, false>(x.get_device());
+    const RingConfig c = pick_config<BITS, TM, BF16, WG, false, NT>(x.get_device());
     const int M = static_cast<int>(x.size(0));
-    const int n_groups = static_cast<int>(ceil_div(s.n_tiles, kGroupTiles));
+    const int n_groups = static_cast<int>(ceil_div(s.n_tiles, Layout<BITS, TM, NT>::kTiles));
     const int m_tiles = static_cast<int>(ceil_div(M, TM)), k_tiles = static_cast<int>(s.k_tiles);
     const int64_t slots = int64_t{c.sms} * c.ctas_per_sm;
     int splits = choose_splits(double(n_groups) * m_tiles, k_tiles, slots, kMaxSplits);
@@ -431,7 +443,7 @@ void run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& absma
         if (use_stream(units, grid, int64_t{n_groups} * m_tiles * splits, slots, kchunk, m_tiles)) {
             // The plan assumed the split-K kernel's launch shape; a GPU or build where the
             // stream-K kernel fits differently (registers, shared memory) keeps split-K.
-            const RingConfig cs = pick_config<BITS, TM, BF16, WG, true>(x.get_device());
+            const RingConfig cs = pick_config<BITS, TM, BF16, WG, true, NT>(x.get_device());
             use_sk = cs.smem == c.smem && cs.ctas_per_sm == c.ctas_per_sm;
         }
     }
@@ -442,8 +454,8 @@ void run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& absma
                                                                                   : kWorkspace;
     at::Tensor ws;
     if (mode == kWorkspace) ws = at::empty({splits, M, s.n}, x.options().dtype(at::kFloat));
-    if (mode == kStream)  // one partial tile (kNT x TM/8 float4 per thread) per CTA
-        ws = at::empty({grid * kThreads * kNT * TM / 2}, x.options().dtype(at::kFloat));
+    if (mode == kStream)  // one partial tile (NT x TM/8 float4 per thread) per CTA
+        ws = at::empty({grid * kThreads * NT * TM / 2}, x.options().dtype(at::kFloat));
 
     Params p{};
     p.x = static_cast<const uint8_t*>(x.data_ptr());
@@ -462,12 +474,12 @@ void run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& absma
     if constexpr (kStreamBuilt) {
         if (mode == kStream) {
             p.flags = stream_flags(x.get_device(), stream);
-            launch_kernel(mma_kernel<BITS, TM, BF16, WG, true>, dim3(static_cast<unsigned>(grid)),
+            launch_kernel(mma_kernel<BITS, TM, BF16, WG, true, NT>, dim3(static_cast<unsigned>(grid)),
                           kThreads, c.smem, stream, 1, false, p);
             return;
         }
     }
-    launch_kernel(mma_kernel<BITS, TM, BF16, WG, false>, dim3(n_groups, splits, m_tiles), kThreads,
+    launch_kernel(mma_kernel<BITS, TM, BF16, WG, false, NT>, dim3(n_groups, splits, m_tiles), kThreads,
                   c.smem, stream, mode == kCluster ? splits : 1, false, p);
     if (mode == kWorkspace) {
         const int64_t count = int64_t{M} * s.n;
@@ -478,28 +490,33 @@ void run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& absma
     }
 }
 
+// nt: tiles per warp of the mma.sync kernel (2; 4 = 512-row CTAs, built for the 64-token tile).
 template <int BITS>
-void run_bits(int tm, bool wg, bool bf16, const at::Tensor& x, const at::Tensor& q,
+void run_bits(int tm, bool wg, int nt, bool bf16, const at::Tensor& x, const at::Tensor& q,
               const at::Tensor& a, const at::Tensor& cb, at::Tensor& y, const TiledShape& s) {
-    auto go = [&](auto tm_tag, auto wg_tag) {
-        constexpr int TM = decltype(tm_tag)::value;
+    auto go = [&](auto tm_tag, auto wg_tag, auto nt_tag) {
+        constexpr int TM = decltype(tm_tag)::value, NT = decltype(nt_tag)::value;
         constexpr bool WG = decltype(wg_tag)::value;
-        if (bf16) run<BITS, TM, true, WG>(x, q, a, cb, y, s);
-        else run<BITS, TM, false, WG>(x, q, a, cb, y, s);
+        if (bf16) run<BITS, TM, true, WG, NT>(x, q, a, cb, y, s);
+        else run<BITS, TM, false, WG, NT>(x, q, a, cb, y, s);
     };
     using no = std::false_type;
+    using nt2 = std::integral_constant<int, kNT>;
     if (wg) {
 #if defined(KBIT_SM90A)
-        if (tm <= 64) go(std::integral_constant<int, 64>{}, std::true_type{});
-        else go(std::integral_constant<int, 128>{}, std::true_type{});
+        if (tm <= 64) go(std::integral_constant<int, 64>{}, std::true_type{}, nt2{});
+        else go(std::integral_constant<int, 128>{}, std::true_type{}, nt2{});
         return;
 #endif
     }
     switch (tm) {
-        case 8: go(std::integral_constant<int, 8>{}, no{}); break;
-        case 16: go(std::integral_constant<int, 16>{}, no{}); break;
-        case 32: go(std::integral_constant<int, 32>{}, no{}); break;
-        default: go(std::integral_constant<int, 64>{}, no{}); break;
+        case 8: go(std::integral_constant<int, 8>{}, no{}, nt2{}); break;
+        case 16: go(std::integral_constant<int, 16>{}, no{}, nt2{}); break;
+        case 32: go(std::integral_constant<int, 32>{}, no{}, nt2{}); break;
+        default:
+            if (nt == 2 * kNT) go(std::integral_constant<int, 64>{}, no{}, std::integral_constant<int, 2 * kNT>{});
+            else go(std::integral_constant<int, 64>{}, no{}, nt2{});
+            break;
     }
 }
 
@@ -589,11 +606,12 @@ at::Tensor mma(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tens
     const bool wg = use_wgmma(x, M, n);
     const int tm = wg ? (M <= 64 ? 64 : 128) : M <= 8 ? 8 : M <= 16 ? 16 : M <= 32 ? 32 : 64;
     const bool bf16 = x.scalar_type() == at::kBFloat16;
+    const int nt = env_int("KBIT_MMA_NT", kNT) == 2 * kNT ? 2 * kNT : kNT;
     switch (bits) {
-        case 2: run_bits<2>(tm, wg, bf16, x, qweight, absmax, codebook, y, s); break;
-        case 3: run_bits<3>(tm, wg, bf16, x, qweight, absmax, codebook, y, s); break;
-        case 4: run_bits<4>(tm, wg, bf16, x, qweight, absmax, codebook, y, s); break;
-        default: run_bits<5>(tm, wg, bf16, x, qweight, absmax, codebook, y, s); break;
+        case 2: run_bits<2>(tm, wg, nt, bf16, x, qweight, absmax, codebook, y, s); break;
+        case 3: run_bits<3>(tm, wg, nt, bf16, x, qweight, absmax, codebook, y, s); break;
+        case 4: run_bits<4>(tm, wg, nt, bf16, x, qweight, absmax, codebook, y, s); break;
+        default: run_bits<5>(tm, wg, nt, bf16, x, qweight, absmax, codebook, y, s); break;
     }
     return y;
 }
