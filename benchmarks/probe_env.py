@@ -45,8 +45,10 @@ def parse_variant(spec: str) -> tuple[str, dict[str, str]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="8b", help="comma list of benchmarks/shapes.py models, or ''")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--models", default="8b", help="benchmarks/shapes.py models (comma list) or ''")
     ap.add_argument("--shapes", default="", help="extra shapes name:NxK,...")
     ap.add_argument("--m", default="64")
     ap.add_argument("--bits", default="4")
@@ -62,7 +64,8 @@ def main(argv: list[str] | None = None) -> None:
     if ops.load() != "compiled":
         raise SystemExit("probe_env: vllm_kbit._C is not built")
     variants = dict(parse_variant(v) for v in a.variant)
-    shapes = (model_shapes(a.models.split(",")) if a.models else []) + (parse_shapes(a.shapes) if a.shapes else [])
+    shapes = model_shapes(a.models.split(",")) if a.models else []
+    shapes += parse_shapes(a.shapes) if a.shapes else []
     ms, bits_list = [int(v) for v in a.m.split(",")], [int(v) for v in a.bits.split(",")]
     dt = getattr(torch, a.dtype)
     kops, rows, t0, l2 = torch.ops.kbit, [], time.time(), l2_cache_bytes()
@@ -80,13 +83,15 @@ def main(argv: list[str] | None = None) -> None:
             for m in ms:
                 x = torch.randn(m, sh.k, device="cuda", dtype=dt)
                 ref = x.float() @ wdq.t()
-                row: dict[str, object] = {"shape": sh.label, "n": sh.n, "k": sh.k, "m": m, "bits": bits}
+                row: dict[str, object] = {"shape": sh.label, "n": sh.n, "k": sh.k, "m": m,
+                                          "bits": bits}  # fmt: skip
                 for name, env in variants.items():
                     y = with_env(env, lambda x=x, n=sh.n: kops.mma(x, q0, a0, cb, bits, n))()
                     err = float((y.float() - ref).norm() / ref.norm().clamp_min(1e-30))
                     row[f"{name}_err"] = err
-                groups = {name: [with_env(env, lambda q=q, s=s, x=x, n=sh.n: kops.mma(x, q, s, cb, bits, n))
-                                 for q, s in weights] for name, env in variants.items()}  # fmt: skip
+                groups = {name: [with_env(env, lambda q=q, s=s, x=x, n=sh.n:
+                                          kops.mma(x, q, s, cb, bits, n)) for q, s in weights]
+                          for name, env in variants.items()}  # fmt: skip
                 res = time_interleaved(groups)
                 for name, t in res.items():
                     row[name] = round(t.us, 2) if not isinstance(t, Exception) else None
@@ -97,11 +102,13 @@ def main(argv: list[str] | None = None) -> None:
     a.out_dir.mkdir(parents=True, exist_ok=True)
     meta = run_metadata()
     meta["variants"] = variants
-    (a.out_dir / f"probe_env{a.tag}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    out = a.out_dir / f"probe_env{a.tag}.json"
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     md = [f"# kbit::mma under KBIT_* settings: {meta.get('device', '?')}", "",
           *[f"- {key}: `{val}`" for key, val in meta.items()], "",
-          f"µs per call ({a.dtype}, medians of interleaved CUDA-graph replays); in brackets the ratio to "
-          f"`{names[0]}`; `!` = rel err vs fp32 x @ dequantized W^T above {REL_ERR_LIMIT:g}.", "",
+          f"µs per call ({a.dtype}, medians of interleaved CUDA-graph replays); in brackets the "
+          f"ratio to `{names[0]}`; `!` = rel err vs fp32 x @ dequantized W^T above "
+          f"{REL_ERR_LIMIT:g}.", "",
           "| shape | M | k | " + " | ".join(names) + " | max rel err |",
           "|---|---|---|" + "---|" * (len(names) + 1)]  # fmt: skip
     bad = 0
@@ -111,9 +118,11 @@ def main(argv: list[str] | None = None) -> None:
             t, base = r.get(nm), r.get(names[0])
             flag = "!" if r[f"{nm}_err"] > REL_ERR_LIMIT else ""
             bad += bool(flag)
-            cells.append("-" if t is None else f"{t:.1f}{flag}" + (f" ({t / base:.2f}x)" if base and nm != names[0] else ""))
+            ratio = f" ({t / base:.2f}x)" if t is not None and base and nm != names[0] else ""
+            cells.append("-" if t is None else f"{t:.1f}{flag}{ratio}")
         worst = max(r[f"{nm}_err"] for nm in names)
-        md.append(f"| {r['shape']} | {r['m']} | {r['bits']} | " + " | ".join(cells) + f" | {worst:.1e} |")
+        md.append(f"| {r['shape']} | {r['m']} | {r['bits']} | " + " | ".join(cells)
+                  + f" | {worst:.1e} |")  # fmt: skip
     md += ["", f"{bad} flagged result(s)."]
     (a.out_dir / f"probe_env{a.tag}.md").write_text("\n".join(md) + "\n")
     print(f"probe_env: {len(rows)} rows, {bad} flagged, {time.time() - t0:.0f} s", flush=True)

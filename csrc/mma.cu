@@ -8,7 +8,9 @@
 //    tiles (bits*256 B + 64 B absmax each) and the x tile [TM][128] (zero-filled past M and K).
 //    Weights are used once by one lane, but the ring gives deep prefetch without registers.
 //  * Warp w owns n-tiles 2w, 2w+1: every x fragment (ldmatrix) feeds 2 MMAs, which halves the
-//    shared-memory reads of x; every dequantized A fragment feeds TM/8 MMAs.
+//    shared-memory reads of x; every dequantized A fragment feeds TM/8 MMAs. The 64-token tile
+//    also comes with 4 n-tiles per warp (NT = 4: 512-row CTAs) for layers of >= 128M weights
+//    (mma_tiles_per_warp).
 //  * Dequantization (frag_dequant.cuh, shared with moe.cu), per lane and 2 adjacent columns
 //    (= one A register): the k bit planes are
 //    transposed in registers (shift/lop3 on 32-bit words) so that the 2k bits of a column pair
@@ -121,7 +123,8 @@ __device__ __forceinline__ void store_acc_y(void* y, const float (&acc)[NT][TM /
 // token tile. 2 CTAs/SM where shared memory allows (TM <= 32).
 // WG: wgmma (sm_90a, wgmma.cuh) instead of mma.sync; the x tile is stored in its layout.
 template <int BITS, int TM, bool BF16, bool WG, bool SK, int NT>
-__global__ void __launch_bounds__(kThreads, TM <= 32 && NT == kNT ? 2 : 1) mma_kernel(const Params p) {
+__global__ void __launch_bounds__(kThreads, TM <= 32 && NT == kNT ? 2 : 1)
+    mma_kernel(const Params p) {
     static_assert(!(SK && WG), "stream-K is built for the mma.sync kernel only");
     static_assert(NT == kNT || (NT == 2 * kNT && !WG), "NT: 2, or 4 for mma.sync");
     using L = Layout<BITS, TM, NT>;
@@ -474,13 +477,13 @@ void run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& absma
     if constexpr (kStreamBuilt) {
         if (mode == kStream) {
             p.flags = stream_flags(x.get_device(), stream);
-            launch_kernel(mma_kernel<BITS, TM, BF16, WG, true, NT>, dim3(static_cast<unsigned>(grid)),
-                          kThreads, c.smem, stream, 1, false, p);
+            launch_kernel(mma_kernel<BITS, TM, BF16, WG, true, NT>,
+                          dim3(static_cast<unsigned>(grid)), kThreads, c.smem, stream, 1, false, p);
             return;
         }
     }
-    launch_kernel(mma_kernel<BITS, TM, BF16, WG, false, NT>, dim3(n_groups, splits, m_tiles), kThreads,
-                  c.smem, stream, mode == kCluster ? splits : 1, false, p);
+    launch_kernel(mma_kernel<BITS, TM, BF16, WG, false, NT>, dim3(n_groups, splits, m_tiles),
+                  kThreads, c.smem, stream, mode == kCluster ? splits : 1, false, p);
     if (mode == kWorkspace) {
         const int64_t count = int64_t{M} * s.n;
         const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(count, 256), slots * 4));
@@ -502,6 +505,7 @@ void run_bits(int tm, bool wg, int nt, bool bf16, const at::Tensor& x, const at:
     };
     using no = std::false_type;
     using nt2 = std::integral_constant<int, kNT>;
+    using nt4 = std::integral_constant<int, 2 * kNT>;
     if (wg) {
 #if defined(KBIT_SM90A)
         if (tm <= 64) go(std::integral_constant<int, 64>{}, std::true_type{}, nt2{});
@@ -514,7 +518,7 @@ void run_bits(int tm, bool wg, int nt, bool bf16, const at::Tensor& x, const at:
         case 16: go(std::integral_constant<int, 16>{}, no{}, nt2{}); break;
         case 32: go(std::integral_constant<int, 32>{}, no{}, nt2{}); break;
         default:
-            if (nt == 2 * kNT) go(std::integral_constant<int, 64>{}, no{}, std::integral_constant<int, 2 * kNT>{});
+            if (nt == 2 * kNT) go(std::integral_constant<int, 64>{}, no{}, nt4{});
             else go(std::integral_constant<int, 64>{}, no{}, nt2{});
             break;
     }
@@ -544,6 +548,19 @@ bool sm90a_device(const at::Tensor& x) {
     (void)x;
     return false;
 #endif
+}
+
+// Tiles per warp of the 64-token mma.sync kernel: 4 on layers of >= 128M weights (512-row CTAs:
+// every x fragment feeds 4 tiles' MMAs: half the x copies and ldmatrix reads per weight), else 2.
+// H100, M = 33..64 (benchmarks/results/probe_env_h100_s21_nt4big.md): 70B gate_up k=2 0.93x,
+// k=4 0.98x; 70B down k=2 0.92x, k=4 0.97x, k=5 0.93x; an 8B-shaped lm_head (525M) k=2 0.93x;
+// k=5 on gate_up / lm_head 1.00x. On 8B gate_up (117M) it ties or loses (k=4 M=33 1.07x), and
+// on narrow layers its 512-row groups are too few to fill the GPU (8B down 1.5x slower).
+// KBIT_MMA_NT=2 / 4 overrides.
+int mma_tiles_per_warp(int64_t M, int64_t n, int64_t K) {
+    const int forced = env_int("KBIT_MMA_NT", 0);
+    if (forced == kNT || forced == 2 * kNT) return forced;
+    return M > 32 && n * K >= (int64_t{1} << 27) ? 2 * kNT : kNT;
 }
 
 bool use_wgmma(const at::Tensor& x, int64_t M, int64_t n) {
@@ -606,7 +623,7 @@ at::Tensor mma(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tens
     const bool wg = use_wgmma(x, M, n);
     const int tm = wg ? (M <= 64 ? 64 : 128) : M <= 8 ? 8 : M <= 16 ? 16 : M <= 32 ? 32 : 64;
     const bool bf16 = x.scalar_type() == at::kBFloat16;
-    const int nt = env_int("KBIT_MMA_NT", kNT) == 2 * kNT ? 2 * kNT : kNT;
+    const int nt = tm == 64 && !wg ? mma_tiles_per_warp(M, n, K) : kNT;
     switch (bits) {
         case 2: run_bits<2>(tm, wg, nt, bf16, x, qweight, absmax, codebook, y, s); break;
         case 3: run_bits<3>(tm, wg, nt, bf16, x, qweight, absmax, codebook, y, s); break;

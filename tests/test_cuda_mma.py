@@ -107,6 +107,7 @@ def _wgmma_env(monkeypatch, wg: str) -> None:
         "KBIT_MMA_NO_CLUSTER",
         "KBIT_MMA_FORCE_CLUSTER",
         "KBIT_MMA_STREAMK",
+        "KBIT_MMA_NT",
     ):
         monkeypatch.delenv(var, raising=False)
 
@@ -244,6 +245,61 @@ def test_stream_k(monkeypatch, bits: int, dtype: torch.dtype) -> None:
             bad = (y != want).nonzero()
             where = f"{n}x{k} M={m}: {bad.shape[0]} wrong, first (token, row) {bad[:4].tolist()}"
             assert bad.numel() == 0, where
+
+
+# The 64-token mma.sync kernel with 4 n-tiles per warp (KBIT_MMA_NT=4: 512-row CTAs, the default
+# on layers of >= 128M weights): partial 512-row groups (n = 520, 1040, 1000), partial tiles and
+# k-tiles, every reduction; one-hot tokens must give W's columns exactly.
+NT4_SHAPES = [(1000, 96), (17, 4128), (520, 1056), (1040, 2080)]
+NT4_MODES = {
+    "auto": {},
+    "stream": {"KBIT_MMA_STREAMK": "1"},
+    "workspace3": {"KBIT_MMA_SPLITS": "3", "KBIT_MMA_NO_CLUSTER": "1", "KBIT_MMA_STREAMK": "0"},
+    "cluster2": {"KBIT_MMA_SPLITS": "2", "KBIT_MMA_FORCE_CLUSTER": "1", "KBIT_MMA_STREAMK": "0"},
+    "direct": {"KBIT_MMA_SPLITS": "1", "KBIT_MMA_STREAMK": "0"},
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", [2, 3, 4, 5])
+def test_nt4_paths(monkeypatch, bits: int, dtype: torch.dtype) -> None:
+    _wgmma_env(monkeypatch, "0")
+    monkeypatch.setenv("KBIT_MMA_NT", "4")
+    for n, k in NT4_SHAPES:
+        qt, at, cb, w32 = _quantized(n, k, bits)
+        for mode, env in NT4_MODES.items():
+            for var in ("KBIT_MMA_STREAMK", "KBIT_MMA_SPLITS", "KBIT_MMA_NO_CLUSTER",
+                        "KBIT_MMA_FORCE_CLUSTER"):  # fmt: skip
+                monkeypatch.delenv(var, raising=False)
+            for var, val in env.items():
+                monkeypatch.setenv(var, val)
+            for m in [33, 50, 64]:
+                x = _x(m, k, dtype, seed=m + bits)
+                y = _mma(x, qt, at, cb, bits, n)
+                _check(y, x, w32)
+                assert torch.equal(_mma(x, qt, at, cb, bits, n), y), f"{n}x{k} {mode} M={m}"
+            cols = (torch.arange(64, device="cuda") * 997) % k
+            x = torch.zeros(64, k, dtype=dtype, device="cuda")
+            x[torch.arange(64, device="cuda"), cols] = 1
+            bad = (_mma(x, qt, at, cb, bits, n) != w32.to(dtype)[:, cols].t()).nonzero()
+            where = f"{n}x{k} {mode}: {bad.shape[0]} wrong, first (token, row) {bad[:4].tolist()}"
+            assert bad.numel() == 0, where
+
+
+@pytest.mark.parametrize("nt", ["2", "4"])
+def test_nt_graph_replay_equals_eager(monkeypatch, nt: str) -> None:
+    _wgmma_env(monkeypatch, "0")
+    monkeypatch.setenv("KBIT_MMA_NT", nt)
+    n, k, bits = 1040, 2080, 4
+    qt, at, cb, _ = _quantized(n, k, bits)
+    static_x = _x(64, k, torch.float16)
+    graph, static_y = capture(lambda: _mma(static_x, qt, at, cb, bits, n))
+    for seed in [5, 6]:
+        x = _x(64, k, torch.float16, seed=seed)
+        static_x.copy_(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_y, _mma(x, qt, at, cb, bits, n))
 
 
 @pytest.mark.parametrize(
