@@ -9,8 +9,7 @@
 //    Weights are used once by one lane, but the ring gives deep prefetch without registers.
 //  * Warp w owns n-tiles 2w, 2w+1: every x fragment (ldmatrix) feeds 2 MMAs, which halves the
 //    shared-memory reads of x; every dequantized A fragment feeds TM/8 MMAs. The 64-token tile
-//    also comes with 4 n-tiles per warp (NT = 4: 512-row CTAs) for layers of >= 128M weights
-//    (mma_tiles_per_warp).
+//    also comes with 4 n-tiles per warp (NT = 4: 512-row CTAs) for big layers (mma_tiles_per_warp).
 //  * Dequantization (frag_dequant.cuh, shared with moe.cu), per lane and 2 adjacent columns
 //    (= one A register): the k bit planes are
 //    transposed in registers (shift/lop3 on 32-bit words) so that the 2k bits of a column pair
@@ -516,7 +515,10 @@ void run_bits(int tm, bool wg, int nt, bool bf16, const at::Tensor& x, const at:
     switch (tm) {
         case 8: go(std::integral_constant<int, 8>{}, no{}, nt2{}); break;
         case 16: go(std::integral_constant<int, 16>{}, no{}, nt2{}); break;
-        case 32: go(std::integral_constant<int, 32>{}, no{}, nt2{}); break;
+        case 32:
+            if (nt == 2 * kNT) go(std::integral_constant<int, 32>{}, no{}, nt4{});
+            else go(std::integral_constant<int, 32>{}, no{}, nt2{});
+            break;
         default:
             if (nt == 2 * kNT) go(std::integral_constant<int, 64>{}, no{}, nt4{});
             else go(std::integral_constant<int, 64>{}, no{}, nt2{});
@@ -550,17 +552,21 @@ bool sm90a_device(const at::Tensor& x) {
 #endif
 }
 
-// Tiles per warp of the 64-token mma.sync kernel: 4 on layers of >= 128M weights (512-row CTAs:
-// every x fragment feeds 4 tiles' MMAs: half the x copies and ldmatrix reads per weight), else 2.
-// H100, M = 33..64 (benchmarks/results/probe_env_h100_s21_nt4big.md): 70B gate_up k=2 0.93x,
-// k=4 0.98x; 70B down k=2 0.92x, k=4 0.97x, k=5 0.93x; an 8B-shaped lm_head (525M) k=2 0.93x;
-// k=5 on gate_up / lm_head 1.00x. On 8B gate_up (117M) it ties or loses (k=4 M=33 1.07x), and
-// on narrow layers its 512-row groups are too few to fill the GPU (8B down 1.5x slower).
-// KBIT_MMA_NT=2 / 4 overrides.
+// Tiles per warp of the 64-token mma.sync kernel: 4 (512-row CTAs: every x fragment feeds 4 tiles'
+// MMAs: half the x copies and ldmatrix reads per weight) on layers of >= 128M weights that are
+// wide (n >= 32K) or deep (K >= 16K), else 2. H100, M = 33..64, against 2 tiles per warp
+// (benchmarks/results/probe_env_h100_s21_rule_r{1,2}.md, time ratios): 70B gate_up k=2
+// 0.92-0.93, k=4 0.98-0.99; 70B down k=2 0.91-0.92, k=4 0.97, k=5 0.93-0.94; an 8B-shaped lm_head
+// (128256 x 4096) k=2 0.93-0.94, k=4 0.98-0.99; k=5 on gate_up / lm_head 0.99-1.00. Not on 70B
+// gate_up at TP=2 (28672 x 8192: k=2 0.95-0.98 but k=4 1.01-1.02, k=5 1.03-1.04) nor on 8B
+// gate_up (k=4 1.02-1.07, probe_env_h100_s21_nt4big.md): their 56 groups of 512 rows need a
+// split-K reduction that 112 groups of 256 rows avoid. Narrow layers get too few groups to fill
+// the GPU (8B down 1.5x slower). KBIT_MMA_NT=2 / 4 overrides.
 int mma_tiles_per_warp(int64_t M, int64_t n, int64_t K) {
     const int forced = env_int("KBIT_MMA_NT", 0);
     if (forced == kNT || forced == 2 * kNT) return forced;
-    return M > 32 && n * K >= (int64_t{1} << 27) ? 2 * kNT : kNT;
+    const bool big = n * K >= (int64_t{1} << 27) && (n >= 32768 || K >= 16384);
+    return M > 32 && big ? 2 * kNT : kNT;
 }
 
 bool use_wgmma(const at::Tensor& x, int64_t M, int64_t n) {
@@ -623,7 +629,7 @@ at::Tensor mma(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tens
     const bool wg = use_wgmma(x, M, n);
     const int tm = wg ? (M <= 64 ? 64 : 128) : M <= 8 ? 8 : M <= 16 ? 16 : M <= 32 ? 32 : 64;
     const bool bf16 = x.scalar_type() == at::kBFloat16;
-    const int nt = tm == 64 && !wg ? mma_tiles_per_warp(M, n, K) : kNT;
+    const int nt = tm >= 32 && !wg ? mma_tiles_per_warp(M, n, K) : kNT;
     switch (bits) {
         case 2: run_bits<2>(tm, wg, nt, bf16, x, qweight, absmax, codebook, y, s); break;
         case 3: run_bits<3>(tm, wg, nt, bf16, x, qweight, absmax, codebook, y, s); break;
