@@ -515,10 +515,7 @@ void run_bits(int tm, bool wg, int nt, bool bf16, const at::Tensor& x, const at:
     switch (tm) {
         case 8: go(std::integral_constant<int, 8>{}, no{}, nt2{}); break;
         case 16: go(std::integral_constant<int, 16>{}, no{}, nt2{}); break;
-        case 32:
-            if (nt == 2 * kNT) go(std::integral_constant<int, 32>{}, no{}, nt4{});
-            else go(std::integral_constant<int, 32>{}, no{}, nt2{});
-            break;
+        case 32: go(std::integral_constant<int, 32>{}, no{}, nt2{}); break;
         default:
             if (nt == 2 * kNT) go(std::integral_constant<int, 64>{}, no{}, nt4{});
             else go(std::integral_constant<int, 64>{}, no{}, nt2{});
@@ -561,7 +558,9 @@ bool sm90a_device(const at::Tensor& x) {
 // gate_up at TP=2 (28672 x 8192: k=2 0.95-0.98 but k=4 1.01-1.02, k=5 1.03-1.04) nor on 8B
 // gate_up (k=4 1.02-1.07, probe_env_h100_s21_nt4big.md): their 56 groups of 512 rows need a
 // split-K reduction that 112 groups of 256 rows avoid. Narrow layers get too few groups to fill
-// the GPU (8B down 1.5x slower). KBIT_MMA_NT=2 / 4 overrides.
+// the GPU (8B down 1.5x slower). KBIT_MMA_NT=2 / 4 overrides. Not built for the 32-token tile:
+// there it won only at k=5 (70B gate_up / down, lm_head 0.94-0.96) and lost at k=4 (1.01-1.07,
+// probe_env_h100_s21_nt4_m32.md).
 int mma_tiles_per_warp(int64_t M, int64_t n, int64_t K) {
     const int forced = env_int("KBIT_MMA_NT", 0);
     if (forced == kNT || forced == 2 * kNT) return forced;
@@ -629,7 +628,7 @@ at::Tensor mma(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tens
     const bool wg = use_wgmma(x, M, n);
     const int tm = wg ? (M <= 64 ? 64 : 128) : M <= 8 ? 8 : M <= 16 ? 16 : M <= 32 ? 32 : 64;
     const bool bf16 = x.scalar_type() == at::kBFloat16;
-    const int nt = tm >= 32 && !wg ? mma_tiles_per_warp(M, n, K) : kNT;
+    const int nt = tm == 64 && !wg ? mma_tiles_per_warp(M, n, K) : kNT;
     switch (bits) {
         case 2: run_bits<2>(tm, wg, nt, bf16, x, qweight, absmax, codebook, y, s); break;
         case 3: run_bits<3>(tm, wg, nt, bf16, x, qweight, absmax, codebook, y, s); break;

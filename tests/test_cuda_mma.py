@@ -247,8 +247,8 @@ def test_stream_k(monkeypatch, bits: int, dtype: torch.dtype) -> None:
             assert bad.numel() == 0, where
 
 
-# The 32- and 64-token mma.sync kernels with 4 n-tiles per warp (KBIT_MMA_NT=4: 512-row CTAs; by
-# default for M > 32 on big layers): partial 512-row groups (n = 520, 1040, 1000), partial tiles and
+# The 64-token mma.sync kernel with 4 n-tiles per warp (KBIT_MMA_NT=4: 512-row CTAs; by default
+# on big layers, mma.cu's mma_tiles_per_warp): partial 512-row groups (n = 520, 1040, 1000), partial tiles and
 # k-tiles, every reduction; one-hot tokens must give W's columns exactly.
 NT4_SHAPES = [(1000, 96), (17, 4128), (520, 1056), (1040, 2080)]
 NT4_MODES = {
@@ -273,7 +273,7 @@ def test_nt4_paths(monkeypatch, bits: int, dtype: torch.dtype) -> None:
                 monkeypatch.delenv(var, raising=False)
             for var, val in env.items():
                 monkeypatch.setenv(var, val)
-            for m in [17, 32, 33, 50, 64]:  # the 32- and 64-token tiles
+            for m in [33, 50, 64]:
                 x = _x(m, k, dtype, seed=m + bits)
                 y = _mma(x, qt, at, cb, bits, n)
                 _check(y, x, w32)
