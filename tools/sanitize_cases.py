@@ -67,6 +67,15 @@ os.environ["KBIT_MMA_STREAMK"] = "1"
 check_mma("stream-K", ((4144, 1024), (1000, 4128)), (17, 64))
 os.environ.pop("KBIT_MMA_STREAMK")
 
+# the 64-token mma.sync kernel with 4 n-tiles per warp (KBIT_MMA_NT=4: 512-row CTAs, the default on
+# big layers): a partial last 512-row group, K tails; its split-K (by shape) and stream-K
+os.environ.update({"KBIT_MMA_NT": "4", "KBIT_MMA_WGMMA": "0"})
+check_mma("NT=4", ((520, 1056), (1000, 4128)), (33, 64))
+os.environ["KBIT_MMA_STREAMK"] = "1"
+check_mma("NT=4 stream-K", ((1040, 2080),), (64,))
+for var in ("KBIT_MMA_NT", "KBIT_MMA_WGMMA", "KBIT_MMA_STREAMK"):
+    os.environ.pop(var)
+
 # the wgmma variant of kbit::mma (KBIT_MMA_WGMMA=1 takes it for M > 32 on sm_90a builds): both
 # tile widths (M 64 -> TM 64, M 300 -> TM 128), a tail in N and K, every k in BITS
 from vllm_kbit import _C
