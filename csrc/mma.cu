@@ -29,9 +29,10 @@
 //    loop (~30 us), which do not overlap; the dequantization is hidden behind the MMAs (~3 us).
 //    Reordering lookups or copies within a k-tile does not change it; a faster M = 64 needs the
 //    MMAs on wgmma with several groups in flight and no CTA-wide barrier per k-tile. It also runs
-//    at the H100's 700 W cap (SM clock ~1770 of 1980 MHz, power_h100_s20.json), so what it saves
-//    must be energy per weight (instructions, shared-memory and L2 bytes such as every CTA's own
-//    copy of x), not only latency: more SMs (stream-K) or more warps (s20 C1q) gained ~nothing.
+//    at the H100's 700 W cap (SM clock ~1770 of 1980 MHz, power_h100_s20.json): more SMs
+//    (stream-K) or more warps (s20 C1q) gained ~nothing. Nor does x traffic bound it: NT = 4
+//    halves the x copies and ldmatrix reads per weight and leaves 8B gate_up within -2..+7%
+//    (probe_env_h100_s21_nt4big.md); it helps only the biggest layers (mma_tiles_per_warp).
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
