@@ -23,6 +23,7 @@ sys.path.insert(0, str(BENCH))
 
 import bench_linear as bl
 import int4_baselines as i4
+import probe_env
 import shapes
 import timing
 
@@ -582,3 +583,12 @@ def test_with_env_sets_and_restores(monkeypatch) -> None:
         call()  # restored on an exception as well
     assert seen == [("new", "1"), ("new", "1")]
     assert os.environ["KBIT_TEST_SET"] == "old" and "KBIT_TEST_UNSET" not in os.environ
+
+
+def test_probe_env_variants() -> None:
+    assert probe_env.parse_variant("base:") == ("base", {})
+    assert probe_env.parse_variant("nt4:KBIT_MMA_WGMMA=0,KBIT_MMA_NT=4") == (
+        "nt4", {"KBIT_MMA_WGMMA": "0", "KBIT_MMA_NT": "4"})  # fmt: skip
+    for bad in ["nt4", ":KBIT_MMA_NT=4", "nt4:KBIT_MMA_NT", "nt4:CUDA_VISIBLE_DEVICES=1"]:
+        with pytest.raises(ValueError, match="--variant"):
+            probe_env.parse_variant(bad)
