@@ -38,10 +38,13 @@ constexpr int kXRow = kTileK * 2 + 16;  // smem bytes per token row of an x tile
 // kNT MMAs), so one CTA covers kGroupTiles weight tiles = kGroupRows rows.
 constexpr int kThreads = 256;
 constexpr int kNT = 2;
-constexpr int kGroupTiles = kThreads / 32 * kNT;  // 16 tiles = 256 rows per CTA
+// Weight tiles per CTA, and floats per token row of its epilogue tile (+4 so that the accumulator
+// stores are conflict-free), for nt tiles per warp (mma.cu's 64-token kernel also runs nt = 4).
+constexpr int group_tiles(int nt) { return kThreads / 32 * nt; }
+constexpr int out_row_floats(int nt) { return group_tiles(nt) * kTileN + 4; }
+constexpr int kGroupTiles = group_tiles(kNT);  // 16 tiles = 256 rows per CTA
 constexpr int kGroupRows = kGroupTiles * kTileN;
-constexpr int kOutRow = kGroupRows + 4;  // floats per token row of the epilogue tile: +4 so that
-                                         // the accumulator stores are conflict-free
+constexpr int kOutRow = out_row_floats(kNT);
 constexpr int kMaxSplits = 8;            // portable thread-block cluster size
 constexpr int kMaxStages = 4;
 
@@ -53,9 +56,9 @@ enum Mode : int { kDirect = 0, kCluster = 1, kWorkspace = 2, kStream = 3 };
 // CTA of 8 warps owning NT tiles each (mma.cu's 64-token kernel also runs NT = 4: 512 rows).
 template <int BITS, int TM, int NT = kNT>
 struct Layout {
-    static constexpr int kTiles = kThreads / 32 * NT;     // weight tiles per CTA
+    static constexpr int kTiles = group_tiles(NT);        // weight tiles per CTA
     static constexpr int kRows = kTiles * kTileN;         // output rows per CTA
-    static constexpr int kOutRowF = kRows + 4;            // floats per token of the epilogue tile
+    static constexpr int kOutRowF = out_row_floats(NT);   // floats per token of the epilogue tile
     static constexpr int kW = kTiles * BITS * 256;        // bit planes of the tiles
     static constexpr int kA = kTiles * 64;                // their absmax
     static constexpr int kStage = kW + kA + TM * kXRow;
@@ -349,12 +352,12 @@ __device__ __forceinline__ float4 ld_dsmem(uint32_t local_addr, uint32_t rank) {
 }
 #endif
 
-// Accumulators of warp `warp` (NT tiles) -> the epilogue tile out[token][row], 8 NT 16 + 4 floats
-// per token row (c0, c1: row g, tokens 2t, 2t + 1; c2, c3: row g + 8).
+// Accumulators of warp `warp` (NT tiles) -> the epilogue tile out[token][row], out_row_floats(NT)
+// floats per token row (c0, c1: row g, tokens 2t, 2t + 1; c2, c3: row g + 8).
 template <int TM, int NT = kNT>
 __device__ __forceinline__ void store_acc_tile(float* out, const float (&acc)[NT][TM / 8][4],
                                                int warp, int lane) {
-    constexpr int kRowF = kThreads / 32 * NT * kTileN + 4;
+    constexpr int kRowF = out_row_floats(NT);
     const int g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int i = 0; i < NT; ++i)

@@ -119,12 +119,15 @@ __device__ __forceinline__ void store_acc_y(void* y, const float (&acc)[NT][TM /
 
 // ------------------------------------------------------------------------------ kernels
 
+// CTAs per SM the kernel is built for: 2 where shared memory and registers allow (TM <= 32 with
+// 2 tiles per warp), else 1. Used by __launch_bounds__ and by pick_config.
+constexpr int mma_ctas_per_sm(int tm, int nt) { return tm <= 32 && nt == kNT ? 2 : 1; }
+
 // Grid (n-tile groups, splits, token tiles); SK (stream-K, mode kStream): (CTAs, 1, 1), one
-// token tile. 2 CTAs/SM where shared memory allows (TM <= 32).
+// token tile. 2 CTAs/SM where shared memory allows (mma_ctas_per_sm).
 // WG: wgmma (sm_90a, wgmma.cuh) instead of mma.sync; the x tile is stored in its layout.
 template <int BITS, int TM, bool BF16, bool WG, bool SK, int NT>
-__global__ void __launch_bounds__(kThreads, TM <= 32 && NT == kNT ? 2 : 1)
-    mma_kernel(const Params p) {
+__global__ void __launch_bounds__(kThreads, mma_ctas_per_sm(TM, NT)) mma_kernel(const Params p) {
     static_assert(!(SK && WG), "stream-K is built for the mma.sync kernel only");
     static_assert(NT == kNT || (NT == 2 * kNT && !WG), "NT: 2, or 4 for mma.sync");
     using L = Layout<BITS, TM, NT>;
@@ -374,7 +377,7 @@ RingConfig pick_config(int dev) {
     if (auto it = cache.find(dev); it != cache.end()) return it->second;
     using L = Layout<BITS, TM, NT>;
     const RingConfig c = configure_ring(mma_kernel<BITS, TM, BF16, WG, SK, NT>, dev, BITS, kThreads,
-                                        L::kStage, L::kOut, 128, TM <= 32 && NT == kNT ? 2 : 1,
+                                        L::kStage, L::kOut, 128, mma_ctas_per_sm(TM, NT),
                                         kMaxStages, kMaxSplits, "mma");
     cache.emplace(dev, c);
     return c;
@@ -562,11 +565,11 @@ bool sm90a_device(const at::Tensor& x) {
 // the GPU (8B down 1.5x slower). KBIT_MMA_NT=2 / 4 overrides. Not built for the 32-token tile:
 // there it won only at k=5 (70B gate_up / down, lm_head 0.94-0.96) and lost at k=4 (1.01-1.07,
 // probe_env_h100_s21_nt4_m32.md).
-int mma_tiles_per_warp(int64_t M, int64_t n, int64_t K) {
+int mma_tiles_per_warp(int64_t n, int64_t K) {
     const int forced = env_int("KBIT_MMA_NT", 0);
     if (forced == kNT || forced == 2 * kNT) return forced;
     const bool big = n * K >= (int64_t{1} << 27) && (n >= 32768 || K >= 16384);
-    return M > 32 && big ? 2 * kNT : kNT;
+    return big ? 2 * kNT : kNT;
 }
 
 bool use_wgmma(const at::Tensor& x, int64_t M, int64_t n) {
@@ -629,7 +632,7 @@ at::Tensor mma(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tens
     const bool wg = use_wgmma(x, M, n);
     const int tm = wg ? (M <= 64 ? 64 : 128) : M <= 8 ? 8 : M <= 16 ? 16 : M <= 32 ? 32 : 64;
     const bool bf16 = x.scalar_type() == at::kBFloat16;
-    const int nt = tm == 64 && !wg ? mma_tiles_per_warp(M, n, K) : kNT;
+    const int nt = tm == 64 && !wg ? mma_tiles_per_warp(n, K) : kNT;  // tm 64: M > 32
     switch (bits) {
         case 2: run_bits<2>(tm, wg, nt, bf16, x, qweight, absmax, codebook, y, s); break;
         case 3: run_bits<3>(tm, wg, nt, bf16, x, qweight, absmax, codebook, y, s); break;

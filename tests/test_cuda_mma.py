@@ -248,8 +248,8 @@ def test_stream_k(monkeypatch, bits: int, dtype: torch.dtype) -> None:
 
 
 # The 64-token mma.sync kernel with 4 n-tiles per warp (KBIT_MMA_NT=4: 512-row CTAs; by default
-# on big layers, mma.cu's mma_tiles_per_warp): partial 512-row groups (n = 520, 1040, 1000), partial tiles and
-# k-tiles, every reduction; one-hot tokens must give W's columns exactly.
+# on big layers, mma.cu's mma_tiles_per_warp): partial 512-row groups (n = 520, 1040, 1000),
+# partial tiles and k-tiles, every reduction; one-hot tokens must give W's columns exactly.
 NT4_SHAPES = [(1000, 96), (17, 4128), (520, 1056), (1040, 2080)]
 NT4_MODES = {
     "auto": {},
@@ -263,14 +263,11 @@ NT4_MODES = {
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bits", [2, 3, 4, 5])
 def test_nt4_paths(monkeypatch, bits: int, dtype: torch.dtype) -> None:
-    _wgmma_env(monkeypatch, "0")
-    monkeypatch.setenv("KBIT_MMA_NT", "4")
     for n, k in NT4_SHAPES:
         qt, at, cb, w32 = _quantized(n, k, bits)
         for mode, env in NT4_MODES.items():
-            for var in ("KBIT_MMA_STREAMK", "KBIT_MMA_SPLITS", "KBIT_MMA_NO_CLUSTER",
-                        "KBIT_MMA_FORCE_CLUSTER"):  # fmt: skip
-                monkeypatch.delenv(var, raising=False)
+            _wgmma_env(monkeypatch, "0")  # mma.sync, every other KBIT_MMA_* setting cleared
+            monkeypatch.setenv("KBIT_MMA_NT", "4")
             for var, val in env.items():
                 monkeypatch.setenv(var, val)
             for m in [33, 50, 64]:
