@@ -328,6 +328,9 @@ __global__ void __launch_bounds__(kThreads, mma_ctas_per_sm(TM, NT)) mma_kernel(
             if (--c_left == 0) segment_done();
     }
     if constexpr (SK) return;
+    // kWorkspace: the reduce kernel (launched with PDL) may be scheduled now; it waits in
+    // pdl_wait() for this grid's partials, so its launch overlaps our epilogue.
+    if (p.mode == kWorkspace) pdl_trigger();
     cp_async_wait<0>();
     __syncthreads();  // the ring and the table are dead: reuse them for the output tile
 
@@ -487,13 +490,9 @@ void run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& absma
     }
     launch_kernel(mma_kernel<BITS, TM, BF16, WG, false, NT>, dim3(n_groups, splits, m_tiles),
                   kThreads, c.smem, stream, mode == kCluster ? splits : 1, false, p);
-    if (mode == kWorkspace) {
-        const int64_t count = int64_t{M} * s.n;
-        const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(count, 256), slots * 4));
-        splitk_reduce_kernel<BF16>
-            <<<blocks, 256, 0, stream>>>(ws.data_ptr<float>(), y.data_ptr(), count, splits);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-    }
+    if (mode == kWorkspace)
+        launch_splitk_reduce<BF16>(ws.data_ptr<float>(), y.data_ptr(), int64_t{M} * s.n, splits,
+                                   c.sms, c.sm90, stream);
 }
 
 // nt: tiles per warp of the mma.sync kernel (2; 4 = 512-row CTAs, built for the 64-token tile).

@@ -8,11 +8,11 @@ namespace {
 
 #if defined(KBIT_SM90A)
 
-template <int BITS, int RWG, int TN, bool BF16>
+template <int BITS, int RWG, int TN, bool BF16, int AB = kABufs>
 void run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& absmax,
          const at::Tensor& codebook, at::Tensor& y, const TiledShape& s) {
     using L = wg::StageLayout<BITS, RWG, TN>;
-    const WgConfig c = configure<BITS, RWG, TN, BF16>(x.get_device());
+    const WgConfig c = configure<BITS, RWG, TN, BF16, kDense, AB>(x.get_device());
     const int M = static_cast<int>(x.size(0));
     const int n_groups = static_cast<int>(ceil_div(s.n_tiles, L::kTiles));
     const int m_tiles = static_cast<int>(ceil_div(M, TN)), k_tiles = static_cast<int>(s.k_tiles);
@@ -40,16 +40,12 @@ void run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& absma
     p.copies_log2 = c.copies_log2, p.table_bytes = c.table_bytes;
 
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-    launch_kernel(wgmma_gemm_kernel<BITS, RWG, TN, BF16>, dim3(n_groups, splits, m_tiles),
+    launch_kernel(wgmma_gemm_kernel<BITS, RWG, TN, BF16, kDense, AB>, dim3(n_groups, splits, m_tiles),
                   wg::kThreads, c.smem, stream, mode == kCluster ? splits : 1, false, p,
                   WgMoe{});
-    if (mode == kWorkspace) {
-        const int64_t count = int64_t{M} * s.n;
-        const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(count, 256), int64_t{c.sms} * 4));
-        splitk_reduce_kernel<BF16>
-            <<<blocks, 256, 0, stream>>>(ws.data_ptr<float>(), y.data_ptr(), count, splits);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-    }
+    if (mode == kWorkspace)  // sm_90a only: PDL is there
+        launch_splitk_reduce<BF16>(ws.data_ptr<float>(), y.data_ptr(), int64_t{M} * s.n, splits,
+                                   c.sms, true, stream);
 }
 
 // Tile configuration (wg::pick_config, checked on the CPU): KBIT_WGMMA_CONFIG=1..5 forces
@@ -66,6 +62,14 @@ template <int BITS, int C>
 void run_config(bool bf16, const at::Tensor& x, const at::Tensor& q, const at::Tensor& a,
                 const at::Tensor& cb, at::Tensor& y, const TiledShape& s) {
     constexpr int RWG = wg::config_rwg(C), TN = wg::config_tn(C);
+    if constexpr (TN == 64) {  // 64-token tiles: KBIT_WG_ABUFS=4 runs 4 A-register sets
+        const bool ab4 = env_int("KBIT_WG_ABUFS", kABufs) == 4;
+        if (ab4) {
+            if (bf16) run<BITS, RWG, TN, true, 4>(x, q, a, cb, y, s);
+            else run<BITS, RWG, TN, false, 4>(x, q, a, cb, y, s);
+            return;
+        }
+    }
     if (bf16) run<BITS, RWG, TN, true>(x, q, a, cb, y, s);
     else run<BITS, RWG, TN, false>(x, q, a, cb, y, s);
 }

@@ -17,7 +17,8 @@
 //    (frag::step_regs: the mma.sync A fragment, which is exactly the warp's slice of the wgmma
 //    A operand) and the warpgroup issues wgmma.m64nTNk16 with A from registers and x as the B
 //    descriptor (K-major, 128B swizzle). The A registers form a ring of kABufs sets: step j's
-//    wgmma runs on the tensor cores while step j + 1 is dequantized.
+//    wgmma runs on the tensor cores while step j + 1 is dequantized. KBIT_WG_ABUFS=4 (64-token
+//    tiles): 4 sets, steps j - 1 and j in flight (8B M=64: C1w 3-5% faster, opt-in).
 //  * Each consumer warp arrives on the slot's "empty" mbarrier once the wgmmas that read it are
 //    retired (wgmma.wait_group), which lets the producer refill it.
 //  * Epilogue: accumulators -> shared tile [token][row] (reusing the ring) -> coalesced stores.
@@ -215,7 +216,8 @@ __device__ __forceinline__ void moe_epilogue(const WgParams& p, const WgMoe& mo,
 #endif
 
 // Grid (row blocks of 2 RWG rows, splits, token tiles of TN or MoE tile-list entries).
-template <int BITS, int RWG, int TN, bool BF16, int GM = kDense>
+// AB: A-register sets (kABufs by default; the dense 64-token tiles also build 4, KBIT_WG_ABUFS).
+template <int BITS, int RWG, int TN, bool BF16, int GM = kDense, int AB = kABufs>
 __global__ void __launch_bounds__(wg::kThreads, 1)
     wgmma_gemm_kernel(const __grid_constant__ WgParams p, const __grid_constant__ WgMoe mo) {
 #if defined(KBIT_WG_DEVICE)
@@ -292,7 +294,11 @@ __global__ void __launch_bounds__(wg::kThreads, 1)
     for (int b = 0; b < NB; ++b)
 #pragma unroll
         for (int v = 0; v < TN / 2; ++v) acc[b][v] = 0.f, wg::pin(acc[b][v]);
-    uint32_t a[kABufs][NB][4];  // A-register ring
+    static_assert(AB == 2 || AB == 4, "AB: 2 or 4 A-register sets");
+    // wgmma groups left in flight after each commit: AB - 1 with 2 sets; with 4 sets, 2 (set
+    // (kk + 1) % 4 was read by step kk - 3): with 3 in flight ptxas serializes every wgmma (C7513).
+    constexpr int kPending = AB == 2 ? 1 : 2;
+    uint32_t a[AB][NB][4];  // A-register ring
     uint2 planes[NB][BITS];     // this lane's plane bytes of the current k-tile
     uint32_t sc[NB][2][2];      // its absmax pairs
     uint32_t iw[NB][5];         // index words of the current plane word
@@ -341,15 +347,15 @@ __global__ void __launch_bounds__(wg::kThreads, 1)
                 wg_fence();  // the A registers were written by ordinary instructions
 #pragma unroll
                 for (int b = 0; b < NB; ++b)
-                    wgmma_rs<BF16, NE>(acc[b], a[kk % kABufs][b], desc + (wg::b_step_offset<TN>(kk) >> 4));
+                    wgmma_rs<BF16, NE>(acc[b], a[kk % AB][b], desc + (wg::b_step_offset<TN>(kk) >> 4));
                 wg_commit();
-                wg_wait<kABufs - 1>();  // step kk + 1 - kABufs retired: its A set is free
-                // k-tile it - 1's last wgmma (step 7) is retired once kABufs - 1 steps of this
+                wg_wait<kPending>();  // step kk - kPending retired: set (kk + 1) % AB is free
+                // k-tile it - 1's last wgmma (step 7) is retired once kPending steps of this
                 // k-tile have been committed after it: release its slot (one arrival per warp).
-                if (kk == kABufs - 2 && it > 0 && lane == 0)
+                if (kk == kPending - 1 && it > 0 && lane == 0)
                     wg::mbar_arrive(empty0 + 8 * wg::ring_slot(it - 1, S));
                 if (kk < 7) {
-                    dequant(kk + 1, a[(kk + 1) % kABufs]);
+                    dequant(kk + 1, a[(kk + 1) % AB]);
                 } else if (it + 1 < kr.count) {  // next k-tile's planes while step 7 runs
                     load_stage(it + 1);
                     dequant(0, a[0]);
@@ -370,6 +376,9 @@ __global__ void __launch_bounds__(wg::kThreads, 1)
     for (int b = 0; b < NB; ++b)
 #pragma unroll
         for (int v = 0; v < TN / 2; ++v) wg::pin(acc[b][v]);
+    // kWorkspace: the reduce kernel (launched with PDL) may be scheduled now (the producer warps
+    // have exited); it waits in pdl_wait() for this grid's partials.
+    if (GM == kDense && p.mode == kWorkspace) pdl_trigger();
 
     // ----------------------------------------------------------------------------- epilogue
     // Both consumer warpgroups are past their last wgmma (whose completion also orders its
@@ -436,14 +445,14 @@ struct WgConfig {
 // Per device and kernel (cached): table copies, stages and shared memory (wg::ring_plan).
 // KBIT_WGMMA_STAGES caps the stages, KBIT_WGMMA_COPIES_LOG2 fixes the table copies (tuning hooks,
 // read once per process and kernel).
-template <int BITS, int RWG, int TN, bool BF16, int GM = kDense>
+template <int BITS, int RWG, int TN, bool BF16, int GM = kDense, int AB = kABufs>
 WgConfig configure(int dev) {
     static std::mutex mu;
     static std::unordered_map<int, WgConfig> cache;
     const std::lock_guard<std::mutex> lock(mu);
     if (auto it = cache.find(dev); it != cache.end()) return it->second;
     using L = wg::StageLayout<BITS, RWG, TN>;
-    const auto kernel = wgmma_gemm_kernel<BITS, RWG, TN, BF16, GM>;
+    const auto kernel = wgmma_gemm_kernel<BITS, RWG, TN, BF16, GM, AB>;
     cudaDeviceProp prop;
     C10_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
     cudaFuncAttributes fa;

@@ -108,6 +108,8 @@ def _wgmma_env(monkeypatch, wg: str) -> None:
         "KBIT_MMA_FORCE_CLUSTER",
         "KBIT_MMA_STREAMK",
         "KBIT_MMA_NT",
+        "KBIT_MMA_NO_PDL",
+        "KBIT_WG_ABUFS",
     ):
         monkeypatch.delenv(var, raising=False)
 
@@ -322,6 +324,37 @@ def test_cuda_graph_replay_equals_eager(monkeypatch, m: int, reduction: str, wg:
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(static_y, _mma(x, qt, at, cb, bits, n))
+
+
+@pytest.mark.parametrize("wg", ["0", pytest.param("2", marks=wgmma)])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n, k, m", [(17, 4128, 5), (1000, 2080, 33), (4096, 4096, 64)])
+def test_workspace_reduce_pdl(
+    monkeypatch, n: int, k: int, m: int, dtype: torch.dtype, wg: str
+) -> None:
+    # Split-K through the fp32 workspace: the reduce kernel, launched with PDL while the GEMM drains
+    # (sm_90) or in plain stream order (KBIT_MMA_NO_PDL=1), with float4 units (M * n % 4 == 0) or
+    # a scalar tail (17 x 5): correct, the same bits either way, and the same under graph replay.
+    _wgmma_env(monkeypatch, wg)
+    split_env = {"KBIT_MMA_SPLITS": "5", "KBIT_MMA_NO_CLUSTER": "1", "KBIT_MMA_STREAMK": "0"}
+    for var, val in split_env.items():
+        monkeypatch.setenv(var, val)
+    bits = 4
+    qt, at, cb, w32 = _quantized(n, k, bits)
+    x = _x(m, k, dtype, seed=n + m)
+    y = _mma(x, qt, at, cb, bits, n)
+    _check(y, x, w32)
+    monkeypatch.setenv("KBIT_MMA_NO_PDL", "1")
+    assert torch.equal(_mma(x, qt, at, cb, bits, n), y)
+    monkeypatch.delenv("KBIT_MMA_NO_PDL")
+    static_x = x.clone()
+    graph, static_y = capture(lambda: _mma(static_x, qt, at, cb, bits, n))
+    for seed in [1, 2]:
+        x2 = _x(m, k, dtype, seed=seed)
+        static_x.copy_(x2)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_y, _mma(x2, qt, at, cb, bits, n))
 
 
 @pytest.mark.cxx_errors
@@ -580,6 +613,30 @@ def test_ws_subnormal_and_zero_absmax(ws) -> None:
         x = _x(m, k, dtype)
         _check(_mma(x, qt, at, cb, bits, n), x, w32)
         assert bool((_mma(x, qt0, at0, cb, bits, n) == 0).all())
+
+
+@wgmma
+@pytest.mark.parametrize("config", ["1", "4"])
+@pytest.mark.parametrize("bits", [2, 3, 4, 5])
+def test_ws_abufs4(ws, config: str, bits: int) -> None:
+    # KBIT_WG_ABUFS=4 (64-token tiles C1 / C1w: 4 A-register sets, 2 wgmma groups in flight):
+    # the same wgmmas in the same order as 2 sets, so the same bits; tails in n, K and M, direct
+    # and workspace split-K, fp16 and bf16.
+    ws.setenv("KBIT_WGMMA_CONFIG", config)
+    for n, k in [(300, 416), (17, 4128), (1040, 2080)]:
+        qt, at, cb, w32 = _quantized(n, k, bits)
+        for dtype in DTYPES:
+            for m in [5, 33, 64]:
+                x = _x(m, k, dtype, seed=m + bits)
+                for splits in ["1", "3"]:
+                    ws.setenv("KBIT_MMA_SPLITS", splits)
+                    ws.setenv("KBIT_MMA_NO_CLUSTER", "1")
+                    ws.delenv("KBIT_WG_ABUFS", raising=False)
+                    y2 = _mma(x, qt, at, cb, bits, n)
+                    ws.setenv("KBIT_WG_ABUFS", "4")
+                    y4 = _mma(x, qt, at, cb, bits, n)
+                    _check(y4, x, w32)
+                    assert torch.equal(y4, y2), f"{n}x{k} M={m} splits={splits} {dtype}"
 
 
 @wgmma

@@ -108,7 +108,10 @@ if getattr(_C, "sm90a", 0) == 1 and torch.cuda.get_device_capability() == (9, 0)
                                        ("5", 129, {"KBIT_MMA_SPLITS": "2", "KBIT_MMA_NO_CLUSTER": "1"}),
                                        ("", 200, {}),
                                        # "": no forced configuration (empty = unset), by M
-                                       ("", 64, {"KBIT_WGMMA_C1W": "1"})):  # fmt: skip
+                                       ("", 64, {"KBIT_WGMMA_C1W": "1"}),
+                                       # 4 A-register sets (64-token tiles), workspace split-K
+                                       ("4", 64, {"KBIT_WG_ABUFS": "4", "KBIT_MMA_SPLITS": "3", "KBIT_MMA_NO_CLUSTER": "1"}),
+                                       ("1", 33, {"KBIT_WG_ABUFS": "4"})):  # fmt: skip
                     os.environ.update(env, KBIT_WGMMA_CONFIG=config)
                     x = torch.randn(m, k, device=dev, dtype=dtype)
                     want = x.float() @ w_deq.t()
