@@ -432,7 +432,7 @@ __global__ void __launch_bounds__(256) splitk_reduce_kernel(const float* __restr
                                                             void* __restrict__ y, int64_t count,
                                                             int splits) {
     pdl_wait();
-    const int64_t step = gridDim.x * int64_t{256}, units = (count + 3) / 4;
+    const int64_t step = gridDim.x * int64_t{256}, units = ceil_div(count, 4);
     const bool vec = (count & 3) == 0;
     for (int64_t u = blockIdx.x * int64_t{256} + threadIdx.x; u < units; u += step) {
         const int64_t i = 4 * u;
@@ -480,9 +480,9 @@ inline void launch_splitk_reduce(const float* ws, void* y, int64_t count, int sp
                                  bool sm90, cudaStream_t stream) {
     static const bool pdl_built = pdl_supported(splitk_reduce_kernel<BF16>);
     const bool pdl = sm90 && pdl_built && env_int("KBIT_MMA_NO_PDL", 0) == 0;
-    const int64_t units = (count + 3) / 4;
-    const int blocks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((units + 255) / 256, sms * 4)));
-    launch_kernel(splitk_reduce_kernel<BF16>, dim3(blocks), 256, 0, stream, 1, pdl, ws, y, count, splits);
+    const int blocks = static_cast<int>(std::min(ceil_div(ceil_div(count, 4), 256), sms * 4));
+    launch_kernel(splitk_reduce_kernel<BF16>, dim3(blocks), 256, 0, stream, 1, pdl, ws, y, count,
+                  splits);
 }
 
 // Launch configuration of a tile_step kernel on one device.
