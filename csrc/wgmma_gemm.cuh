@@ -18,7 +18,7 @@
 //    A operand) and the warpgroup issues wgmma.m64nTNk16 with A from registers and x as the B
 //    descriptor (K-major, 128B swizzle). The A registers form a ring of kABufs sets: step j's
 //    wgmma runs on the tensor cores while step j + 1 is dequantized. KBIT_WG_ABUFS=4 (64-token
-//    tiles): 4 sets, steps j - 1 and j in flight (8B M=64: C1w 3-5% faster, opt-in).
+//    tiles): 4 sets, steps j - 1 and j in flight (8B gate_up / down M=64: C1w 3-5% faster; opt-in).
 //  * Each consumer warp arrives on the slot's "empty" mbarrier once the wgmmas that read it are
 //    retired (wgmma.wait_group), which lets the producer refill it.
 //  * Epilogue: accumulators -> shared tile [token][row] (reusing the ring) -> coalesced stores.
