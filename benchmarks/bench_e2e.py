@@ -21,6 +21,9 @@ uses programmatic dependent launch; no other method sees that variable) or anyth
 unquantized model in ``--dtype``); the first unquantized method is the baseline of the table.
 Any method + ``@NAME`` runs with the build in ``.ab/NAME`` (tools/ab_base.sh: another git ref),
 e.g. ``--methods bf16,kbit4@base,kbit4`` times main's build against the checkout's in one run.
+Any method + ``+NAME`` runs with the settings of ``--variant NAME:KBIT_VAR=VALUE,...`` (tuning
+variables, as in probe_env.py; the other methods run without the variants' variables), e.g.
+``--methods fp16,kbit4,kbit4+red --variant red:KBIT_MMA_NO_FIXUP=1``.
 """
 
 from __future__ import annotations
@@ -76,32 +79,49 @@ def model_dir(config: str | None, work: Path, shape: str = "llama-8b") -> Path:
 KBIT_METHOD = re.compile(r"kbit([2-5])(lm)?(pdl)?")
 
 
+def method_parts(method: str) -> tuple[str, str, str]:
+    """``BASE[@BUILD][+VARIANT]`` -> (BASE, BUILD, VARIANT), "" where absent."""
+    rest, _, variant = method.partition("+")
+    base, _, build = rest.partition("@")
+    return base, build, variant
+
+
 def kbit_config(method: str) -> dict:
-    """``kbitK[lm][pdl][@NAME]`` -> the ``quantization_config`` passed through ``hf_overrides``
-    (``lm``: quantize the lm_head too; ``pdl``: the same config, run with ``KBIT_PDL=1``;
-    ``@NAME``: the same config, run with another build, see method_env)."""
-    m = KBIT_METHOD.fullmatch(method.partition("@")[0])
+    """``kbitK[lm][pdl][@NAME][+VARIANT]`` -> the ``quantization_config`` passed through
+    ``hf_overrides`` (``lm``: quantize the lm_head too; ``pdl``: the same config, run with
+    ``KBIT_PDL=1``; ``@NAME`` / ``+VARIANT``: the same config, run with another build or other
+    tuning variables, see method_env)."""
+    m = KBIT_METHOD.fullmatch(method_parts(method)[0])
     if m is None:
         raise ValueError(f"bench_e2e: method {method!r} is not kbitK[lm][pdl] with K in 2..5")
     return {"quant_method": "kbit", "bits": int(m.group(1)), "quantize_lm_head": m.group(2) is not None}
 
 
-def method_env(method: str, ab_root: Path = HERE.parent / ".ab") -> dict[str, str]:
+def method_env(
+    method: str, ab_root: Path = HERE.parent / ".ab", variants: dict[str, dict[str, str]] | None = None
+) -> dict[str, str]:
     """Environment of a method's worker: ``...pdl`` methods launch the GEMV with programmatic
     dependent launch (``KBIT_PDL=1``), every other method without it. ``METHOD@NAME`` imports
     vllm_kbit from ``.ab/NAME`` (a build of another git ref, tools/ab_base.sh; prepended to
-    PYTHONPATH, which vLLM's engine process inherits): end-to-end A/B of two builds in one run."""
-    env = {k: v for k, v in os.environ.items() if k != "KBIT_PDL"}
-    base, _, variant = method.partition("@")
+    PYTHONPATH, which vLLM's engine process inherits): end-to-end A/B of two builds in one run.
+    ``METHOD+NAME`` sets the variables of ``variants[NAME]``; a variable of any variant is
+    removed from every other method's environment."""
+    variants = variants or {}
+    base, build, variant = method_parts(method)
+    if variant and variant not in variants:
+        raise ValueError(f"bench_e2e: method {method!r}: no --variant {variant}:KBIT_VAR=VALUE,...")
+    drop = {"KBIT_PDL"}.union(*variants.values())
+    env = {k: v for k, v in os.environ.items() if k not in drop}
     m = KBIT_METHOD.fullmatch(base)
     if m is not None and m.group(3):
         env["KBIT_PDL"] = "1"
-    if variant:
-        d = ab_root / variant
+    if build:
+        d = ab_root / build
         if not (d / "vllm_kbit").is_dir():
             raise ValueError(f"bench_e2e: method {method!r}: no build at {d} (tools/ab_base.sh "
-                             f"export REF {variant}, then build it)")  # fmt: skip
+                             f"export REF {build}, then build it)")  # fmt: skip
         env["PYTHONPATH"] = str(d) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.update(variants.get(variant, {}))
     return env
 
 
@@ -262,6 +282,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--timeout", type=int, default=420, help="seconds per method")
     p.add_argument("--profile", action="store_true",
                    help="also profile one generate per batch size (see above)")  # fmt: skip
+    p.add_argument("--variant", action="append", default=[],
+                   help="NAME:KBIT_VAR=VALUE,... for methods METHOD+NAME (see above)")  # fmt: skip
     p.add_argument("--profile-dir", help=argparse.SUPPRESS)
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
@@ -280,10 +302,13 @@ def main(argv: list[str] | None = None) -> None:
         else None
     )
     methods = args.methods.split(",")
+    from probe_env import parse_variant  # (imports torch: only here, not in the worker path)
+
+    variants = dict(parse_variant(v) for v in args.variant)
     for m in methods:  # a typo fails here, not after the baseline has run
         if m.startswith("kbit"):
             kbit_config(m)
-        method_env(m)  # @NAME: its build exists
+        method_env(m, variants=variants)  # @NAME: its build exists; +NAME: its variant too
     if res is None:
         meta = versions() | {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                              "command": " ".join([Path(sys.argv[0]).name] + (argv or sys.argv[1:])),
@@ -293,6 +318,8 @@ def main(argv: list[str] | None = None) -> None:
         baseline = next((m for m in methods if not m.startswith("kbit")), "fp16")
         res = {"meta": meta, "methods": [], "baseline": baseline, "results": [], "failed": {}}
     res["methods"] = list(dict.fromkeys(res["methods"] + methods))
+    if variants:
+        res["meta"]["variants"] = res["meta"].get("variants", {}) | variants
     mdir = model_dir(args.config, Path("/tmp/kbit-e2e"), args.shape)
     for m in methods:
         todo = [
@@ -315,10 +342,10 @@ def main(argv: list[str] | None = None) -> None:
             cmd += ["--profile-dir", str(pdir)]
         print(f"[{m}] starting: batches {todo}", flush=True)
         t0 = time.time()
-        log = out / f"bench_e2e{args.tag}_{m}.log"
+        log = out / f"bench_e2e{args.tag}_{re.sub(r'[^A-Za-z0-9_.-]', '_', m)}.log"  # no @ or +
         with open(log, "w") as f:
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=f, text=True,
-                                    start_new_session=True, env=method_env(m))
+                                    start_new_session=True, env=method_env(m, variants=variants))
             try:
                 # vLLM's engine process inherits the pipe and can outlive the worker: never wait
                 # for EOF; poll, and stop once the worker has exited and its lines are read.

@@ -527,17 +527,23 @@ inline void count_clusters(int (&clusters)[kMaxSplits + 1], Kernel kernel, int t
 }
 
 // Split-K reduction of `tiles` output tiles in `splits` CTAs each: through DSMEM in clusters only
-// where the clusters run in as few waves as the plain CTAs would. A cluster needs all its CTAs on
-// SMs of one GPC at once; with 1-2 big CTAs per SM the GPCs hold fewer clusters than
-// SMs / splits (H100, 8B o_proj at M = 64 on the wgmma kernel's C1, 32 tiles x 4 splits:
-// cluster 26.2 us, workspace 14.8; benchmarks/probe_splitk.py, results/probe_splitk_h100_s6*),
-// and the waves that adds cost more than the workspace's fp32 partials.
-// KBIT_MMA_NO_CLUSTER=1 / KBIT_MMA_FORCE_CLUSTER=1 override (tests, the probe).
+// for 2 splits, and only where the clusters run in as few waves as the plain CTAs would. A
+// cluster needs all its CTAs on SMs of one GPC at once; with 1-2 big CTAs per SM the GPCs hold
+// fewer clusters than SMs / splits (H100, 8B o_proj at M = 64 on the wgmma kernel's C1, 32 tiles
+// x 4 splits: cluster 26.2 us, workspace 14.8; benchmarks/probe_splitk.py,
+// results/probe_splitk_h100_s6*), and the waves that adds cost more than the workspace's fp32
+// partials. Where 8-CTA clusters did fit (mma.sync: 8B o at M = 8-32, 8B down at M = 8-16, 70B o
+// and down at M = 8, k=2), the workspace with its PDL-launched reduce kernel took 0.65-0.80x their
+// time (results/probe_env_h100_s23_small.md); 2-CTA clusters (8B gate_up, M = 16-32) were 1-2%
+// faster than it.
+// KBIT_MMA_NO_CLUSTER=1 / KBIT_MMA_FORCE_CLUSTER=1 override (tests, the probe);
+// KBIT_MMA_CLUSTER_SPLITS=s allows clusters of up to s splits (8: the rule before session 23).
 inline bool use_cluster(const int (&clusters)[kMaxSplits + 1], double tiles, int splits,
                         int64_t slots) {
     if (splits < 2 || splits > kMaxSplits || clusters[splits] <= 0) return false;
     if (env_int("KBIT_MMA_NO_CLUSTER", 0) != 0) return false;
     if (env_int("KBIT_MMA_FORCE_CLUSTER", 0) != 0) return true;
+    if (splits > env_int("KBIT_MMA_CLUSTER_SPLITS", 2)) return false;
     return std::ceil(tiles / clusters[splits]) <= std::ceil(tiles * splits / static_cast<double>(slots));
 }
 

@@ -18,9 +18,9 @@
 //    (single rounding: codebooks are bf16-exact, see frag_dequant.cuh).
 //    T is replicated `copies` times (entry i of lane l at word i*copies + l % copies) so that
 //    the 32 random lookups of a warp hit 32 different banks.
-//  * Split-K over CTAs when n-tiles x token tiles do not fill the GPU (<= 8 splits). sm_90: the
-//    splits of one output tile form a thread-block cluster and reduce through distributed shared
-//    memory (one kernel, deterministic); older GPUs: fp32 partials [S, M, n] plus a reduce kernel.
+//  * Split-K over CTAs when n-tiles x token tiles do not fill the GPU (<= 8 splits): fp32
+//    partials [S, M, n] plus a reduce kernel (PDL on sm_90); on sm_90 2 splits of one output tile
+//    form a thread-block cluster and reduce through distributed shared memory (use_cluster).
 //  * Stream-K (32- and 64-token tiles, where a cost model says it beats split-K): one wave of CTAs
 //    with equal runs of (n-tile group, k-tile) units across group boundaries; partial tiles meet
 //    through an fp32 workspace and per-CTA flags (see the stream-K helpers).

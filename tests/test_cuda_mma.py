@@ -106,6 +106,7 @@ def _wgmma_env(monkeypatch, wg: str) -> None:
         "KBIT_MMA_SPLITS",
         "KBIT_MMA_NO_CLUSTER",
         "KBIT_MMA_FORCE_CLUSTER",
+        "KBIT_MMA_CLUSTER_SPLITS",
         "KBIT_MMA_STREAMK",
         "KBIT_MMA_NT",
         "KBIT_MMA_NO_PDL",
@@ -213,6 +214,9 @@ def test_split_k_paths(monkeypatch, m: int, dtype: torch.dtype) -> None:
         monkeypatch.setenv("KBIT_MMA_FORCE_CLUSTER", "1")  # cluster wherever the GPU has them
         assert torch.equal(_mma(x, qt, at, cb, bits, n), y)
         monkeypatch.delenv("KBIT_MMA_FORCE_CLUSTER")
+        monkeypatch.setenv("KBIT_MMA_CLUSTER_SPLITS", "8")  # clusters of any size where they fit
+        assert torch.equal(_mma(x, qt, at, cb, bits, n), y)
+        monkeypatch.delenv("KBIT_MMA_CLUSTER_SPLITS")
         monkeypatch.setenv("KBIT_MMA_NO_CLUSTER", "1")
         assert torch.equal(_mma(x, qt, at, cb, bits, n), y)
 

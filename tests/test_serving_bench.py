@@ -844,6 +844,27 @@ def test_bench_e2e_method_env(monkeypatch):
         assert "KBIT_PDL" not in method_env(m)
 
 
+def test_bench_e2e_env_variant(monkeypatch):
+    """``METHOD+NAME`` runs with the variables of ``--variant NAME:...``; the other methods run
+    without any variant's variables, even when the caller's environment has them; an unknown
+    variant is refused by name; the config is METHOD's."""
+    from bench_e2e import kbit_config, method_env, method_parts
+
+    variants = {"red": {"KBIT_MMA_NO_FIXUP": "1"}, "sk": {"KBIT_MMA_STREAMK": "1"}}
+    monkeypatch.setenv("KBIT_MMA_STREAMK", "0")
+    env = method_env("kbit4+red", variants=variants)
+    assert env["KBIT_MMA_NO_FIXUP"] == "1" and "KBIT_MMA_STREAMK" not in env
+    assert method_env("kbit4lmpdl+sk", variants=variants)["KBIT_PDL"] == "1"
+    for m in ("kbit4", "fp16"):
+        env = method_env(m, variants=variants)
+        assert "KBIT_MMA_NO_FIXUP" not in env and "KBIT_MMA_STREAMK" not in env
+    assert method_env("kbit4")["KBIT_MMA_STREAMK"] == "0"  # no variants: the caller's setting
+    assert method_parts("kbit2lm@base+red") == ("kbit2lm", "base", "red")
+    assert kbit_config("kbit2lm@base+red") == kbit_config("kbit2lm")
+    with pytest.raises(ValueError, match="no --variant nope"):
+        method_env("kbit4+nope", variants=variants)
+
+
 def test_bench_e2e_ab_variant(monkeypatch, tmp_path):
     """``METHOD@NAME`` runs the worker with .ab/NAME's vllm_kbit first on PYTHONPATH (kept
     entries after it), the config of METHOD; a missing build is refused by name before any run."""
