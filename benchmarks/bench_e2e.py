@@ -23,7 +23,7 @@ Any method + ``@NAME`` runs with the build in ``.ab/NAME`` (tools/ab_base.sh: an
 e.g. ``--methods bf16,kbit4@base,kbit4`` times main's build against the checkout's in one run.
 Any method + ``+NAME`` runs with the settings of ``--variant NAME:KBIT_VAR=VALUE,...`` (tuning
 variables, as in probe_env.py; the other methods run without the variants' variables), e.g.
-``--methods fp16,kbit4,kbit4+red --variant red:KBIT_MMA_NO_FIXUP=1``.
+``--methods fp16,kbit4,kbit4+old --variant old:KBIT_MMA_CLUSTER_SPLITS=8``.
 """
 
 from __future__ import annotations

@@ -850,17 +850,17 @@ def test_bench_e2e_env_variant(monkeypatch):
     variant is refused by name; the config is METHOD's."""
     from bench_e2e import kbit_config, method_env, method_parts
 
-    variants = {"red": {"KBIT_MMA_NO_FIXUP": "1"}, "sk": {"KBIT_MMA_STREAMK": "1"}}
+    variants = {"old": {"KBIT_MMA_CLUSTER_SPLITS": "8"}, "sk": {"KBIT_MMA_STREAMK": "1"}}
     monkeypatch.setenv("KBIT_MMA_STREAMK", "0")
-    env = method_env("kbit4+red", variants=variants)
-    assert env["KBIT_MMA_NO_FIXUP"] == "1" and "KBIT_MMA_STREAMK" not in env
+    env = method_env("kbit4+old", variants=variants)
+    assert env["KBIT_MMA_CLUSTER_SPLITS"] == "8" and "KBIT_MMA_STREAMK" not in env
     assert method_env("kbit4lmpdl+sk", variants=variants)["KBIT_PDL"] == "1"
     for m in ("kbit4", "fp16"):
         env = method_env(m, variants=variants)
-        assert "KBIT_MMA_NO_FIXUP" not in env and "KBIT_MMA_STREAMK" not in env
+        assert "KBIT_MMA_CLUSTER_SPLITS" not in env and "KBIT_MMA_STREAMK" not in env
     assert method_env("kbit4")["KBIT_MMA_STREAMK"] == "0"  # no variants: the caller's setting
-    assert method_parts("kbit2lm@base+red") == ("kbit2lm", "base", "red")
-    assert kbit_config("kbit2lm@base+red") == kbit_config("kbit2lm")
+    assert method_parts("kbit2lm@base+old") == ("kbit2lm", "base", "old")
+    assert kbit_config("kbit2lm@base+old") == kbit_config("kbit2lm")
     with pytest.raises(ValueError, match="no --variant nope"):
         method_env("kbit4+nope", variants=variants)
 
