@@ -196,6 +196,18 @@ def versions() -> dict:
     return info
 
 
+# vLLM's engine logs the GPU memory of the loaded weights (gpu_model_runner.py and the V2
+# runner's model_runner.py, vLLM 0.26): the check that a kbit method quantized what it should
+# (an lm_head left in fp16 adds ~0.7 GiB at k=2 on the 8B shape).
+LOADING_RE = re.compile(r"Model loading took ([0-9.]+) GiB")
+
+
+def weights_gib(line: str) -> float | None:
+    """The GiB of vLLM's 'Model loading took N GiB ...' log line, else None."""
+    m = LOADING_RE.search(line)
+    return float(m.group(1)) if m else None
+
+
 def write_table(res: dict, path: Path) -> None:
     rows = res["results"]
     batches = sorted({r["batch"] for r in rows})
@@ -208,11 +220,12 @@ def write_table(res: dict, path: Path) -> None:
              f"- model: {res['meta']['model_desc']}, dummy weights, input {res['meta']['input_len']} / "
              f"output {res['meta']['output_len']} tokens, greedy, ignore_eos; median of "
              f"{res['meta']['repeats']} runs after a warm-up", "",
-             "| method | load s | " + " | ".join(f"batch {b} tok/s (x {res['baseline']})" for b in batches) + " |",
-             "|---|---|" + "---|" * len(batches)]  # fmt: skip
+             "| method | load s | weights GiB | " + " | ".join(f"batch {b} tok/s (x {res['baseline']})" for b in batches) + " |",
+             "|---|---|---|" + "---|" * len(batches)]  # fmt: skip
     for m in methods:
         cells = []
         load = next((r["load_s"] for r in rows if r["method"] == m), float("nan"))
+        gib = next((r.get("weights_gib") for r in rows if r["method"] == m), None)
         for b in batches:
             r = next((r for r in rows if r["method"] == m and r["batch"] == b), None)
             if r is None:
@@ -220,7 +233,8 @@ def write_table(res: dict, path: Path) -> None:
             else:
                 x = r["output_tok_s"] / base[b] if b in base else float("nan")
                 cells.append(f"{r['output_tok_s']:.0f} ({x:.2f}x)")
-        lines.append(f"| {m} | {load:.0f} | " + " | ".join(cells) + " |")
+        gib_cell = "?" if gib is None else f"{gib:.2f}"
+        lines.append(f"| {m} | {load:.0f} | {gib_cell} | " + " | ".join(cells) + " |")
     for m, why in res.get("failed", {}).items():
         lines.append(f"\n{m} failed: {why}")
     path.write_text("\n".join(lines) + "\n")
@@ -351,16 +365,21 @@ def main(argv: list[str] | None = None) -> None:
                 # for EOF; poll, and stop once the worker has exited and its lines are read.
                 os.set_blocking(proc.stdout.fileno(), False)  # type: ignore[union-attr]
                 buf = ""
+                gib = None  # from the engine's log line (stdout), see weights_gib
                 while True:
                     ready, _, _ = select.select([proc.stdout], [], [], 1.0)
                     chunk = proc.stdout.read() if ready else ""  # type: ignore[union-attr]
                     buf += chunk or ""
                     *lines, buf = buf.split("\n")
                     for line in lines:
-                        if line.startswith("{"):
+                        if not line.startswith("{"):  # vLLM's own log lines: keep them
+                            f.write(line + "\n")
+                            gib = weights_gib(line) if gib is None else gib
+                        else:
                             ev = json.loads(line)
                             print(f"[{m}] {ev}", flush=True)
                             if ev["event"] == "result":
+                                ev["weights_gib"] = gib
                                 res["results"].append(ev)
                                 res["failed"].pop(m, None)
                                 stem.with_suffix(".json").write_text(json.dumps(res, indent=1))

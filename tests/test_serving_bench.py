@@ -880,3 +880,25 @@ def test_bench_e2e_ab_variant(monkeypatch, tmp_path):
     assert kbit_config("kbit2lm@base") == kbit_config("kbit2lm")
     with pytest.raises(ValueError, match="no build at .*nope"):
         method_env("kbit4@nope", ab_root=tmp_path)
+
+
+def test_bench_e2e_weights_gib_column(tmp_path):
+    """The weights' GiB from vLLM's loading log line (both model runners' wordings) lands in
+    the table, '?' where the line was not seen, so an unquantized lm_head shows up there."""
+    from bench_e2e import weights_gib, write_table
+
+    v1 = "(EngineCore pid=7) INFO 11-24 [gpu_model_runner.py:5348] Model loading took 4.92 GiB memory and 3.1 seconds"
+    v2 = "(EngineCore pid=7) INFO 11-24 [model_runner.py:306] Model loading took 2.61 GiB and 2.0 seconds"
+    assert weights_gib(v1) == 4.92 and weights_gib(v2) == 2.61
+    assert weights_gib("Loading weights took 1.0 seconds") is None
+    meta = dict(device="GPU", command="c", date="d", torch="t", vllm="v", cuda="c",
+                git_commit="0123456789ab", model_desc="m", input_len=128, output_len=128, repeats=5)  # fmt: skip
+    rows = [dict(method="fp16", batch=1, output_tok_s=150.0, load_s=60.0, weights_gib=14.99),
+            dict(method="kbit2lm", batch=1, output_tok_s=450.0, load_s=50.0, weights_gib=2.61),
+            dict(method="kbit2", batch=1, output_tok_s=375.0, load_s=50.0)]  # fmt: skip
+    res = dict(meta=meta, methods=["fp16", "kbit2lm", "kbit2"], baseline="fp16", results=rows, failed={})
+    write_table(res, tmp_path / "t.md")
+    text = (tmp_path / "t.md").read_text()
+    assert "| method | load s | weights GiB | batch 1 tok/s (x fp16) |" in text
+    assert "| kbit2lm | 50 | 2.61 | 450 (3.00x) |" in text
+    assert "| kbit2 | 50 | ? | 375 (2.50x) |" in text
