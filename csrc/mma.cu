@@ -30,7 +30,9 @@
 //    Reordering lookups or copies within a k-tile does not change it; a faster M = 64 needs the
 //    MMAs on wgmma with several groups in flight and no CTA-wide barrier per k-tile. It also runs
 //    at the H100's 700 W cap (SM clock ~1770 of 1980 MHz, power_h100_s20.json): more SMs
-//    (stream-K) or more warps (s20 C1q) gained ~nothing. Nor does x traffic bound it: NT = 4
+//    (stream-K) or more warps (s20 C1q) gained ~nothing; 16 warps whose pairs split each k-tile
+//    (no extra dequantization, 128 registers) were 1.04-1.11x slower on 8B qkv / gate_up
+//    (probe_env_h100_s24_kw2.md, branch s24-kw2). Nor does x traffic bound it: NT = 4
 //    halves the x copies and ldmatrix reads per weight and leaves 8B gate_up within -2..+7%
 //    (probe_env_h100_s21_nt4big.md); it helps only the biggest layers (mma_tiles_per_warp).
 #include <c10/cuda/CUDAException.h>
