@@ -30,16 +30,19 @@ from timing import copies_needed, l2_cache_bytes, run_metadata, time_interleaved
 REL_ERR_LIMIT = 1e-2
 
 
-def parse_variant(spec: str) -> tuple[str, dict[str, str]]:
-    """'name:K=V,K=V' -> (name, {K: V}); 'name:' is the environment as it is."""
+def parse_variant(spec: str, prefixes: tuple[str, ...] = ("KBIT_",)) -> tuple[str, dict[str, str]]:
+    """'name:K=V,K=V' -> (name, {K: V}); 'name:' is the environment as it is. Only variables
+    starting with one of `prefixes` (this script: the kernels' KBIT_*; bench_e2e.py, whose
+    workers are fresh vLLM processes, also VLLM_*)."""
     name, sep, rest = spec.partition(":")
     if not sep or not name:
         raise ValueError(f"--variant {spec!r}: expected NAME:[VAR=VALUE,...]")
     env = {}
     for item in filter(None, rest.split(",")):
         key, eq, val = item.partition("=")
-        if not eq or not key.startswith("KBIT_"):
-            raise ValueError(f"--variant {spec!r}: {item!r} is not KBIT_VAR=VALUE")
+        if not eq or not key.startswith(prefixes):
+            want = " or ".join(f"{p}VAR=VALUE" for p in prefixes)
+            raise ValueError(f"--variant {spec!r}: {item!r} is not {want}")
         env[key] = val
     return name, env
 

@@ -589,6 +589,13 @@ def test_probe_env_variants() -> None:
     assert probe_env.parse_variant("base:") == ("base", {})
     assert probe_env.parse_variant("nt4:KBIT_MMA_WGMMA=0,KBIT_MMA_NT=4") == (
         "nt4", {"KBIT_MMA_WGMMA": "0", "KBIT_MMA_NT": "4"})  # fmt: skip
-    for bad in ["nt4", ":KBIT_MMA_NT=4", "nt4:KBIT_MMA_NT", "nt4:CUDA_VISIBLE_DEVICES=1"]:
+    for bad in ["nt4", ":KBIT_MMA_NT=4", "nt4:KBIT_MMA_NT", "nt4:CUDA_VISIBLE_DEVICES=1",
+                "mp:VLLM_ENABLE_V1_MULTIPROCESSING=0"]:  # fmt: skip
         with pytest.raises(ValueError, match="--variant"):
             probe_env.parse_variant(bad)
+    # bench_e2e's workers are fresh vLLM processes: vLLM's own variables are allowed there
+    vllm_ok = ("KBIT_", "VLLM_")
+    assert probe_env.parse_variant("mp:VLLM_ENABLE_V1_MULTIPROCESSING=0", vllm_ok) == (
+        "mp", {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})  # fmt: skip
+    with pytest.raises(ValueError, match="KBIT_VAR=VALUE or VLLM_VAR=VALUE"):
+        probe_env.parse_variant("x:CUDA_VISIBLE_DEVICES=1", vllm_ok)

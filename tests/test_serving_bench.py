@@ -863,6 +863,10 @@ def test_bench_e2e_env_variant(monkeypatch):
     assert kbit_config("kbit2lm@base+old") == kbit_config("kbit2lm")
     with pytest.raises(ValueError, match="no --variant nope"):
         method_env("kbit4+nope", variants=variants)
+    # vLLM's own variables (bench_e2e accepts VLLM_* variants), on an unquantized method too
+    mp = {"inproc": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}}
+    assert method_env("fp16+inproc", variants=mp)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in method_env("fp16", variants=mp)
 
 
 def test_bench_e2e_ab_variant(monkeypatch, tmp_path):
