@@ -199,7 +199,8 @@ def versions() -> dict:
 
 # vLLM's engine logs the GPU memory of the loaded weights (gpu_model_runner.py and the V2
 # runner's model_runner.py, vLLM 0.26): the check that a kbit method quantized what it should
-# (an lm_head left in fp16 adds ~0.7 GiB at k=2 on the 8B shape).
+# (an lm_head left in fp16 adds ~0.8 GiB at k=2 on the 8B shape: 3.80 against 2.96 GiB in
+# benchmarks/results/bench_e2e_h100_s24_b1.md).
 LOADING_RE = re.compile(r"Model loading took ([0-9.]+) GiB")
 
 
