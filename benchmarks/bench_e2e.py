@@ -110,7 +110,7 @@ def method_env(
     variants = variants or {}
     base, build, variant = method_parts(method)
     if variant and variant not in variants:
-        raise ValueError(f"bench_e2e: method {method!r}: no --variant {variant}:KBIT_VAR=VALUE,...")
+        raise ValueError(f"bench_e2e: method {method!r}: no --variant {variant}:VAR=VALUE,...")
     drop = {"KBIT_PDL"}.union(*variants.values())
     env = {k: v for k, v in os.environ.items() if k not in drop}
     m = KBIT_METHOD.fullmatch(base)

@@ -13,8 +13,15 @@ import json
 import os
 import statistics
 
+import sys
+from pathlib import Path
+
 import torch
 from torch.utils.cpp_extension import load_inline
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from timing import capture_graph, copies_needed, l2_cache_bytes
+
 import vllm_kbit._ops as ops
 from vllm_kbit.format import default_codebook
 assert ops.load() == "compiled"
@@ -32,14 +39,15 @@ __global__ void pf_k(const char* p, long long bytes, int chunk) {
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p + i), "r"((unsigned)n) : "memory");
   }
 }
-void spin(long long cycles) { spin_k<<<132, 32, 0, c10::cuda::getCurrentCUDAStream()>>>(cycles); }
+void spin(long long cycles, int64_t sms) { spin_k<<<sms, 32, 0, c10::cuda::getCurrentCUDAStream()>>>(cycles); }
 void prefetch(torch::Tensor t, int64_t chunk, int64_t blocks) {
   pf_k<<<blocks, 32, 0, c10::cuda::getCurrentCUDAStream()>>>((const char*)t.data_ptr(), t.numel() * t.element_size(), (int)chunk);
 }
 '''
-m = load_inline("l2pf", cpp_sources="void spin(long long); void prefetch(torch::Tensor, int64_t, int64_t);",
+m = load_inline("l2pf", cpp_sources="void spin(long long, int64_t); void prefetch(torch::Tensor, int64_t, int64_t);",
                 cuda_sources=src, functions=["spin", "prefetch"], extra_cuda_cflags=["-arch=sm_90a", "-O3"], verbose=False)
 SHAPES = {"8b.qkv": (6144, 4096), "8b.o": (4096, 4096), "8b.gate_up": (28672, 4096), "8b.down": (4096, 14336)}
+SMS = torch.cuda.get_device_properties(0).multi_processor_count  # spin on every SM
 rows = []
 for bits in (2, 4):
     cb = default_codebook(bits).cuda()
@@ -48,7 +56,7 @@ for bits in (2, 4):
         q, a = K.quantize(w, cb, bits)
         qt, at = K.repack(q, a, bits)
         nbytes = qt.numel() * qt.element_size() + at.numel()
-        copies = max(2, -(-3 * 50 * 2**20 // nbytes))
+        copies = max(2, copies_needed(nbytes, l2_cache_bytes()))  # >= 3x L2
         W = [(qt.clone(), at.clone()) for _ in range(copies)]
         x = torch.randn(1, k, device="cuda", dtype=torch.float16)
         for spin_us in (0, 8, 16):
@@ -60,12 +68,9 @@ for bits in (2, 4):
                         if mode == "pf":
                             m.prefetch(qq, 65536, 66)
                             m.prefetch(aa, 65536, 2)
-                        if spin_us: m.spin(cyc)
+                        if spin_us: m.spin(cyc, SMS)
                         K.linear(x, qq, aa, cb, bits, n)
-                body(); torch.cuda.synchronize()
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    body()
+                g = capture_graph([body])  # after one warm-up pass
                 ts = []
                 for _ in range(25):
                     s, e = torch.cuda.Event(True), torch.cuda.Event(True)
