@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""kbit::mma under several settings of its KBIT_* tuning variables, timed side by side: for each
+"""kbit::mma (or --op gemv / linear) under several settings of its KBIT_* tuning variables, timed side by side: for each
 (shape, M, k) every variant's calls are timed interleaved (benchmarks/timing.py: CUDA-graph
 replays over weight copies > 3x L2, medians), and every variant's output is checked against
 x @ dequantize(W)^T in fp32 (rel err > 1e-2 is flagged). Variants are named settings:
@@ -56,11 +56,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--m", default="64")
     ap.add_argument("--bits", default="4")
     ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
+    ap.add_argument("--op", default="mma", choices=["mma", "gemv", "linear"],
+                    help="the kbit op timed (gemv: M <= 8; linear: the dispatching op)")
     ap.add_argument("--variant", action="append", required=True, help="NAME:[KBIT_VAR=VALUE,...]")
     ap.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
     ap.add_argument("--tag", default="")
     ap.add_argument("--time-budget-s", type=float, default=300.0)
     a = ap.parse_args(argv)
+    ms, bits_list = [int(v) for v in a.m.split(",")], [int(v) for v in a.bits.split(",")]
+    if a.op == "gemv" and max(ms) > 8:
+        raise SystemExit(f"probe_env: --op gemv takes M <= 8, got --m {a.m}")
     import vllm_kbit._ops as ops
     from vllm_kbit.format import default_codebook
 
@@ -69,9 +74,9 @@ def main(argv: list[str] | None = None) -> None:
     variants = dict(parse_variant(v) for v in a.variant)
     shapes = model_shapes(a.models.split(",")) if a.models else []
     shapes += parse_shapes(a.shapes) if a.shapes else []
-    ms, bits_list = [int(v) for v in a.m.split(",")], [int(v) for v in a.bits.split(",")]
     dt = getattr(torch, a.dtype)
     kops, rows, t0, l2 = torch.ops.kbit, [], time.time(), l2_cache_bytes()
+    op = getattr(kops, a.op)
     for sh in shapes:
         for bits in bits_list:
             if time.time() - t0 > a.time_budget_s:
@@ -89,11 +94,11 @@ def main(argv: list[str] | None = None) -> None:
                 row: dict[str, object] = {"shape": sh.label, "n": sh.n, "k": sh.k, "m": m,
                                           "bits": bits}  # fmt: skip
                 for name, env in variants.items():
-                    y = with_env(env, lambda x=x, n=sh.n: kops.mma(x, q0, a0, cb, bits, n))()
+                    y = with_env(env, lambda x=x, n=sh.n: op(x, q0, a0, cb, bits, n))()
                     err = float((y.float() - ref).norm() / ref.norm().clamp_min(1e-30))
                     row[f"{name}_err"] = err
                 groups = {name: [with_env(env, lambda q=q, s=s, x=x, n=sh.n:
-                                          kops.mma(x, q, s, cb, bits, n)) for q, s in weights]
+                                          op(x, q, s, cb, bits, n)) for q, s in weights]
                           for name, env in variants.items()}  # fmt: skip
                 res = time_interleaved(groups)
                 for name, t in res.items():
@@ -107,7 +112,8 @@ def main(argv: list[str] | None = None) -> None:
     meta["variants"] = variants
     out = a.out_dir / f"probe_env{a.tag}.json"
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    md = [f"# kbit::mma under KBIT_* settings: {meta.get('device', '?')}", "",
+    meta["op"] = f"kbit::{a.op}"
+    md = [f"# kbit::{a.op} under KBIT_* settings: {meta.get('device', '?')}", "",
           *[f"- {key}: `{val}`" for key, val in meta.items()], "",
           f"µs per call ({a.dtype}, medians of interleaved CUDA-graph replays); in brackets the "
           f"ratio to `{names[0]}`; `!` = rel err vs fp32 x @ dequantized W^T above "

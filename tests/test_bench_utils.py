@@ -599,3 +599,11 @@ def test_probe_env_variants() -> None:
         "mp", {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})  # fmt: skip
     with pytest.raises(ValueError, match="KBIT_VAR=VALUE or VLLM_VAR=VALUE"):
         probe_env.parse_variant("x:CUDA_VISIBLE_DEVICES=1", vllm_ok)
+
+
+def test_probe_env_op_gemv_rejects_wide_batches() -> None:
+    # the GEMV takes M <= 8: refused before anything is loaded or timed (also on a CPU machine)
+    with pytest.raises(SystemExit, match="--op gemv takes M <= 8"):
+        probe_env.main(["--op", "gemv", "--m", "1,16", "--variant", "base:"])
+    with pytest.raises(SystemExit):  # argparse: an op that does not exist
+        probe_env.main(["--op", "moe", "--variant", "base:"])
