@@ -2,7 +2,8 @@
 """Where the GPU time of a vLLM run goes, from a torch.profiler (Kineto) chrome trace: kernel
 time per output token by kernel family, the kernels that take the most, and how much of the
 traced span the GPU was idle (launch and host gaps; kernels that overlap through programmatic
-dependent launch are counted once in the busy time).
+dependent launch are counted once in the busy time), by gap length and by the pair of kernels
+around each gap.
 
 Used by ``bench_e2e.py --profile`` (vLLM's own torch profiler, ``profiler_config``); usable alone:
 ``python3 benchmarks/trace_summary.py TRACE.json[.gz] OUTPUT_TOKENS``.
@@ -63,6 +64,29 @@ def _busy(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+# Idle gaps by length (us): inside a CUDA graph consecutive kernels are ~1-2 us apart; longer
+# gaps are host time (between graph replays, steps, syncs).
+GAP_BUCKETS = ((0.0, 3.0, "< 3 us"), (3.0, 20.0, "3-20 us"), (20.0, float("inf"), ">= 20 us"))
+
+
+def short_name(name: str) -> str:
+    """A kernel's name without return type, template arguments and parameters."""
+    n = re.sub(r"^void ", "", name).replace("(anonymous namespace)::", "")
+    return re.split(r"[<(]", n, maxsplit=1)[0].strip()[-60:] or name[:60]
+
+
+def _gaps(ev: list[dict]) -> list[tuple[float, str, str]]:
+    """Idle gaps of the GPU timeline: (length us, kernel that ended last, kernel that starts)."""
+    out, end, last = [], None, ""
+    for e in sorted(ev, key=lambda e: float(e["ts"])):
+        s, f = float(e["ts"]), float(e["ts"]) + float(e["dur"])
+        if end is not None and s > end:
+            out.append((s - end, last, short_name(e["name"])))
+        if end is None or f >= end:
+            end, last = f, short_name(e["name"])
+    return out
+
+
 def summarize(trace: dict, tokens: int, top: int = 12) -> dict:
     """Per output token (us): traced GPU span, GPU busy time, kernel time by family, the `top`
     kernels by time. `tokens` = output tokens generated while the trace was recorded."""
@@ -85,6 +109,12 @@ def summarize(trace: dict, tokens: int, top: int = 12) -> dict:
         ker_us[e["name"]] += float(e["dur"])
         ker_n[e["name"]] += 1
     busy = _busy(iv)
+    gaps = _gaps(ev)
+    pair_us: dict[str, float] = defaultdict(float)
+    pair_n: dict[str, int] = defaultdict(int)
+    for g, a, b in gaps:
+        pair_us[f"{a} -> {b}"] += g
+        pair_n[f"{a} -> {b}"] += 1
     return {
         "tokens": tokens,
         "kernels": len(ev),
@@ -97,6 +127,12 @@ def summarize(trace: dict, tokens: int, top: int = 12) -> dict:
         "top_kernels": [{"name": k[:160], "us_per_token": ker_us[k] / tokens,
                          "launches_per_token": ker_n[k] / tokens}
                         for k in sorted(ker_us, key=ker_us.get, reverse=True)[:top]],  # fmt: skip
+        # idle time by gap length, and the kernel pairs with the most idle time between them
+        "gaps": {label: {"us_per_token": sum(g for g, _, _ in gaps if lo <= g < hi) / tokens,
+                         "per_token": sum(1 for g, _, _ in gaps if lo <= g < hi) / tokens}
+                 for lo, hi, label in GAP_BUCKETS},  # fmt: skip
+        "gap_pairs": [{"pair": k, "us_per_token": pair_us[k] / tokens, "per_token": pair_n[k] / tokens}
+                      for k in sorted(pair_us, key=pair_us.get, reverse=True)[:top]],  # fmt: skip
     }
 
 
@@ -112,6 +148,10 @@ def table(profiles: dict[str, dict]) -> list[str]:
         lines.append(f"| {label} | " + " | ".join(f"{profiles[m][key]:.1f}" for m in methods) + " |")
     lines.append("| GPU idle share of the span | "
                  + " | ".join(f"{100 * profiles[m]['idle_fraction']:.1f}%" for m in methods) + " |")  # fmt: skip
+    for lo, hi, label in GAP_BUCKETS:
+        cells = [profiles[m].get("gaps", {}).get(label) for m in methods]
+        lines.append(f"| idle in gaps {label} (gaps per token) | " + " | ".join(
+            f"{c['us_per_token']:.1f} ({c['per_token']:.0f})" if c else "-" for c in cells) + " |")  # fmt: skip
     for f in fams:
         cells = []
         for m in methods:
@@ -122,6 +162,11 @@ def table(profiles: dict[str, dict]) -> list[str]:
         lines += ["", f"Top kernels, {m} (us per output token, launches per token):", ""]
         lines += [f"- {k['us_per_token']:.1f} us, {k['launches_per_token']:.0f}x: `{k['name']}`"
                   for k in profiles[m]["top_kernels"]]  # fmt: skip
+        if profiles[m].get("gap_pairs"):
+            lines += ["", f"Most idle time between two kernels, {m} (us per output token, gaps per "
+                      "token: kernel that ended last -> kernel that starts):", ""]  # fmt: skip
+            lines += [f"- {g['us_per_token']:.1f} us, {g['per_token']:.1f}x: `{g['pair']}`"
+                      for g in profiles[m]["gap_pairs"][:8]]  # fmt: skip
     return lines
 
 

@@ -171,3 +171,28 @@ def test_bench_e2e_worker_profiles_each_batch(monkeypatch, capsys, tmp_path: Pat
         bench_e2e.worker(argparse.Namespace(**(vars(args) | {"profile_dir": None})))
     assert "profiler_config" not in _FakeLLM.calls[0][1]
     assert "start_profile" not in [c[0] for c in _FakeLLM.calls]
+
+
+def test_gaps_by_length_and_pair():
+    # _trace(): gaps [10, 12) after DENSE, [25, 30) after DOWN (gate_up and down overlap),
+    # [35, 40), [42, 45), [48, 50); none between nvjet [50, 60) and the last kernel [60, 64)
+    s = ts.summarize(_trace(), tokens=2)
+    g = s["gaps"]
+    assert g["< 3 us"] == {"us_per_token": (2 + 2) / 2, "per_token": 1.0}
+    assert g["3-20 us"] == {"us_per_token": (5 + 5 + 3) / 2, "per_token": 1.5}
+    assert g[">= 20 us"] == {"us_per_token": 0.0, "per_token": 0.0}
+    assert sum(v["us_per_token"] for v in g.values()) == pytest.approx(
+        s["span_us_per_token"] - s["busy_us_per_token"])  # fmt: skip
+    pairs = {p["pair"]: p for p in s["gap_pairs"]}
+    # the gap after the overlapping pair is charged to the kernel that ended last (down)
+    assert pairs["kbit::gemv_kernel -> flash_fwd_splitkv_kernel"][
+        "us_per_token"] == 2.5  # fmt: skip
+    assert ts.short_name(DENSE) == "kbit::gemv_kernel"
+    assert ts.short_name("Memcpy DtoH (Device -> Pinned)") == "Memcpy DtoH"
+    assert ts.short_name("nvjet_tst_64x8") == "nvjet_tst_64x8"
+    lines = ts.table({"kbit4 b1": s})
+    assert "| idle in gaps 3-20 us (gaps per token) | 6.5 (2) |" in lines
+    assert any(x.startswith("Most idle time between two kernels, kbit4 b1") for x in lines)
+    # profiles summarised before gaps existed (older JSON) still render
+    old = {k: v for k, v in s.items() if k not in ("gaps", "gap_pairs")}
+    assert "| idle in gaps < 3 us (gaps per token) | - |" in ts.table({"old": old})
