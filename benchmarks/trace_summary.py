@@ -53,17 +53,6 @@ def load_trace(path: str | Path) -> dict:
         return json.load(f)
 
 
-def _busy(intervals: list[tuple[float, float]]) -> float:
-    """Length of the union of [start, end) intervals."""
-    total, end = 0.0, float("-inf")
-    for s, e in sorted(intervals):
-        if e <= end:
-            continue
-        total += e - max(s, end)
-        end = e
-    return total
-
-
 # Idle gaps by length (us): inside a CUDA graph consecutive kernels are ~1-2 us apart; longer
 # gaps are host time (between graph replays, steps, syncs).
 GAP_BUCKETS = ((0.0, 3.0, "< 3 us"), (3.0, 20.0, "3-20 us"), (20.0, float("inf"), ">= 20 us"))
@@ -76,7 +65,8 @@ def short_name(name: str) -> str:
 
 
 def _gaps(ev: list[dict]) -> list[tuple[float, str, str]]:
-    """Idle gaps of the GPU timeline: (length us, kernel that ended last, kernel that starts)."""
+    """Idle gaps of the GPU timeline: (length us, kernel that ended last, kernel that starts).
+    The busy time (the union of the events' intervals) is the span minus their sum."""
     out, end, last = [], None, ""
     for e in sorted(ev, key=lambda e: float(e["ts"])):
         s, f = float(e["ts"]), float(e["ts"]) + float(e["dur"])
@@ -108,8 +98,8 @@ def summarize(trace: dict, tokens: int, top: int = 12) -> dict:
         fam_n[f] += 1
         ker_us[e["name"]] += float(e["dur"])
         ker_n[e["name"]] += 1
-    busy = _busy(iv)
     gaps = _gaps(ev)
+    busy = span - sum(g for g, _, _ in gaps)
     pair_us: dict[str, float] = defaultdict(float)
     pair_n: dict[str, int] = defaultdict(int)
     for g, a, b in gaps:
