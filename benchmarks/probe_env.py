@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""kbit::mma (or --op gemv / linear) under several settings of its KBIT_* tuning variables, timed side by side: for each
-(shape, M, k) every variant's calls are timed interleaved (benchmarks/timing.py: CUDA-graph
-replays over weight copies > 3x L2, medians), and every variant's output is checked against
-x @ dequantize(W)^T in fp32 (rel err > 1e-2 is flagged). Variants are named settings:
+"""kbit::mma (or --op gemv / linear) under several settings of its KBIT_* tuning variables, timed
+side by side: for each (shape, M, k) every variant's calls are timed interleaved
+(benchmarks/timing.py: CUDA-graph replays over weight copies > 3x L2, medians), and every
+variant's output is checked against x @ dequantize(W)^T in fp32 (rel err > 1e-2 is flagged).
+Variants are named settings:
 
     --variant nt2:KBIT_MMA_WGMMA=0 --variant nt4:KBIT_MMA_WGMMA=0,KBIT_MMA_NT=4
 
@@ -110,9 +111,9 @@ def main(argv: list[str] | None = None) -> None:
     a.out_dir.mkdir(parents=True, exist_ok=True)
     meta = run_metadata()
     meta["variants"] = variants
+    meta["op"] = f"kbit::{a.op}"
     out = a.out_dir / f"probe_env{a.tag}.json"
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    meta["op"] = f"kbit::{a.op}"
     md = [f"# kbit::{a.op} under KBIT_* settings: {meta.get('device', '?')}", "",
           *[f"- {key}: `{val}`" for key, val in meta.items()], "",
           f"µs per call ({a.dtype}, medians of interleaved CUDA-graph replays); in brackets the "
