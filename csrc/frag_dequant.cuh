@@ -245,18 +245,29 @@ __device__ __forceinline__ void tile_index_words(uint32_t (&iw)[5], const uint2 
 // The 4 A registers of k16 step kk (columns 16 kk .. 16 kk + 15 of the k-tile) of one tile,
 // {row g, row g+8} x {cols 2t.., cols 2t+8..}: the mma.m16n8k16 A fragment, and the warp's slice
 // of a wgmma m64 A operand. iw = the index words of plane word kk / 4; one table load and one
-// HMUL2 per register.
+// HMUL2 per register. step_lookups + step_scale are its two halves: the wgmma kernel issues the
+// loads of step kk + 1 while step kk's wgmma runs and writes the A registers only afterwards.
+template <int BITS>
+__device__ __forceinline__ void step_lookups(uint32_t (&v)[4], const uint32_t (&iw)[5], int kk,
+                                             uint32_t tbl_lane, uint32_t stride) {
+    const int b2 = (kk >> 1) & 1, s = kk & 1;  // block 2w + b2 = bytes q = 2 b2 + h
+#pragma unroll
+    for (int r = 0; r < 4; ++r) v[r] = lds32(pair_addr<BITS>(iw, 2 * s + (r >> 1), 2 * b2 + (r & 1), tbl_lane, stride));
+}
+template <bool BF16>
+__device__ __forceinline__ void step_scale(uint32_t (&a)[4], const uint32_t (&v)[4],
+                                           const uint32_t (&sc)[2][2], int kk) {
+    const int w = kk >> 2, b2 = (kk >> 1) & 1;
+#pragma unroll
+    for (int r = 0; r < 4; ++r) a[r] = mul_scale<BF16>(v[r], sc[r & 1][b2], w);
+}
 template <int BITS, bool BF16>
 __device__ __forceinline__ void step_regs(uint32_t (&a)[4], const uint32_t (&iw)[5],
                                           const uint32_t (&sc)[2][2], int kk, uint32_t tbl_lane,
                                           uint32_t stride) {
-    const int w = kk >> 2, b2 = (kk >> 1) & 1, s = kk & 1;  // block 2w + b2 = bytes q = 2 b2 + h
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-        const int p = 2 * s + (r >> 1), h = r & 1;
-        const uint32_t v = lds32(pair_addr<BITS>(iw, p, 2 * b2 + h, tbl_lane, stride));
-        a[r] = mul_scale<BF16>(v, sc[h][b2], w);
-    }
+    uint32_t v[4];
+    step_lookups<BITS>(v, iw, kk, tbl_lane, stride);
+    step_scale<BF16>(a, v, sc, kk);
 }
 
 // One k-tile (128 columns) of one warp owning NT consecutive 16-row tiles and TM tokens:

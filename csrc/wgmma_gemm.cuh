@@ -17,8 +17,9 @@
 //    (frag::step_regs: the mma.sync A fragment, which is exactly the warp's slice of the wgmma
 //    A operand) and the warpgroup issues wgmma.m64nTNk16 with A from registers and x as the B
 //    descriptor (K-major, 128B swizzle). The A registers form a ring of kABufs sets: step j's
-//    wgmma runs on the tensor cores while step j + 1 is dequantized. KBIT_WG_ABUFS=4 (64-token
-//    tiles): 4 sets, steps j - 1 and j in flight (8B gate_up / down M=64: C1w 3-5% faster; opt-in).
+//    wgmma runs on the tensor cores while step j + 1 is dequantized (C2 / C2w: while steps j
+//    and j + 1 run, k_loop_h). KBIT_WG_ABUFS=4 (64-token tiles, opt-in): 4 sets and wait_group 2,
+//    which ptxas (CUDA 13.0) compiles with every wgmma waited for at once (C7513; see kPending).
 //  * Each consumer warp arrives on the slot's "empty" mbarrier once the wgmmas that read it are
 //    retired (wgmma.wait_group), which lets the producer refill it.
 //  * Epilogue: accumulators -> shared tile [token][row] (reusing the ring) -> coalesced stores.
@@ -296,7 +297,10 @@ __global__ void __launch_bounds__(wg::kThreads, 1)
         for (int v = 0; v < TN / 2; ++v) acc[b][v] = 0.f, wg::pin(acc[b][v]);
     static_assert(AB == 2 || AB == 4, "AB: 2 or 4 A-register sets");
     // wgmma groups left in flight after each commit: AB - 1 with 2 sets; with 4 sets, 2 (set
-    // (kk + 1) % 4 was read by step kk - 3): with 3 in flight ptxas serializes every wgmma (C7513).
+    // (kk + 1) % 4 was read by step kk - 3). ptxas of CUDA 13.0 does not follow the 4-set ring: it
+    // warns C7513 and follows every wgmma with WARPGROUP.DEPBAR 0 (sm_90a SASS, session 26), so
+    // AB = 4 runs the wgmmas one at a time. Measured, that C1w is still ~5% faster than with 2 sets
+    // on 8B gate_up / down at M = 48 / 64, ~1% on qkv, equal on o (probe_env_h100_s26_m64_base.md).
     constexpr int kPending = AB == 2 ? 1 : 2;
     uint32_t a[AB][NB][4];  // A-register ring
     uint2 planes[NB][BITS];     // this lane's plane bytes of the current k-tile
@@ -331,6 +335,20 @@ __global__ void __launch_bounds__(wg::kThreads, 1)
         for (int b = 0; b < NB; ++b)
             step_regs<BITS, BF16>(dst[b], iw[b], sc[b], kk, tbl_lane, stride);
     };
+    // The same in two halves (hoisted loop): table loads of step kk into v, then the scaling.
+    uint32_t v[NB][4];
+    auto lookups = [&](int kk) {
+        if (kk == 4) {
+#pragma unroll
+            for (int b = 0; b < NB; ++b) tile_index_words<BITS>(iw[b], planes[b], 1);
+        }
+#pragma unroll
+        for (int b = 0; b < NB; ++b) step_lookups<BITS>(v[b], iw[b], kk, tbl_lane, stride);
+    };
+    auto scale = [&](int kk, uint32_t(&dst)[NB][4]) {
+#pragma unroll
+        for (int b = 0; b < NB; ++b) step_scale<BF16>(dst[b], v[b], sc[b], kk);
+    };
 
     // The k loop at token width NE (dense: TN; MoE: wg::narrow_tn of the tile's rows, the
     // accumulator prefix of NE / 2 values per block, the x boxes keep the TN-row layout).
@@ -363,7 +381,47 @@ __global__ void __launch_bounds__(wg::kThreads, 1)
             }
         }
     };
-    if constexpr (GM == kDense) {
+    // The wide-token dense tiles (C2 128 x 128, C2w 128 x 256: one m64 block per warpgroup, a long
+    // wgmma per step) issue step kk + 1's table loads before the wait for step kk - 1: they write
+    // v, not the A registers, so ptxas keeps the wgmmas asynchronous (no C7513) and, renaming the
+    // A registers over 3 sets, runs the whole lookup + scaling of step kk + 1 while steps kk - 1
+    // and kk are in flight (sm_90 SASS: the HMUL2s before the WARPGROUP.DEPBAR). H100, 3
+    // alternating rounds against k_loop (benchmarks/results/probe_env_h100_s26_hoist.md): 70B
+    // layers at M = 256 / 512 1-13% faster (but down at k=4, M=512 1-6% slower), 8B down 1-9%
+    // faster, 8B gate_up -4% .. +1%, qkv / o 0-2% slower; a layer's four 0.92-1.00x. The
+    // 64-token tiles (C1, C1w) were 1-5% slower with it and C3 (M = 128) mixed, so they keep
+    // k_loop, and so does the grouped MoE kernel (not measured with it).
+    auto k_loop_h = [&](auto ne) {
+        constexpr int NE = decltype(ne)::value;
+        load_stage(0);
+        lookups(0);
+        scale(0, a[0]);
+#pragma unroll 1
+        for (int it = 0; it < kr.count; ++it) {
+            const int slot = wg::ring_slot(it, S);
+            const uint64_t desc = wg::desc_sw128(ring + slot * L::kBytes);
+#pragma unroll
+            for (int kk = 0; kk < 8; ++kk) {
+                wg_fence();
+#pragma unroll
+                for (int b = 0; b < NB; ++b)
+                    wgmma_rs<BF16, NE>(acc[b], a[kk & 1][b], desc + (wg::b_step_offset<TN>(kk) >> 4));
+                wg_commit();
+                const bool more = kk < 7 || it + 1 < kr.count;
+                if (kk < 7) lookups(kk + 1);
+                else if (more) {
+                    load_stage(it + 1);
+                    lookups(0);
+                }
+                wg_wait<1>();  // step kk - 1 retired: set (kk + 1) & 1 is free
+                if (kk == 0 && it > 0 && lane == 0) wg::mbar_arrive(empty0 + 8 * wg::ring_slot(it - 1, S));
+                if (more) scale((kk + 1) & 7, a[(kk + 1) & 1]);
+            }
+        }
+    };
+    if constexpr (GM == kDense && AB == 2 && RWG == 64 && TN >= 128) {
+        k_loop_h(std::integral_constant<int, TN>{});
+    } else if constexpr (GM == kDense) {
         k_loop(std::integral_constant<int, TN>{});
     } else {
         const int x_rows = wg::narrow_tn(TN, m_rows);  // the width the producer loads
