@@ -18,7 +18,7 @@
 //    A operand) and the warpgroup issues wgmma.m64nTNk16 with A from registers and x as the B
 //    descriptor (K-major, 128B swizzle). The A registers form a ring of kABufs sets: step j's
 //    wgmma runs on the tensor cores while step j + 1 is dequantized (C2 / C2w: while steps j
-//    and j + 1 run, k_loop_h). KBIT_WG_ABUFS=4 (64-token tiles, opt-in): 4 sets and wait_group 2,
+//    and j + 1 run, k_loop's H). KBIT_WG_ABUFS=4 (64-token tiles, opt-in): 4 sets and wait_group 2,
 //    which ptxas (CUDA 13.0) compiles with every wgmma waited for at once (C7513; see kPending).
 //  * Each consumer warp arrives on the slot's "empty" mbarrier once the wgmmas that read it are
 //    retired (wgmma.wait_group), which lets the producer refill it.
@@ -352,10 +352,23 @@ __global__ void __launch_bounds__(wg::kThreads, 1)
 
     // The k loop at token width NE (dense: TN; MoE: wg::narrow_tn of the tile's rows, the
     // accumulator prefix of NE / 2 values per block, the x boxes keep the TN-row layout).
-    auto k_loop = [&](auto ne) {
+    // H (hoisted): the wide-token dense tiles (C2 128 x 128, C2w 128 x 256: one m64 block per
+    // warpgroup, a long wgmma per step) issue step kk + 1's table loads before the wait for step kk - 1: they write
+    // v, not the A registers, so ptxas keeps the wgmmas asynchronous (no C7513) and, renaming the
+    // A registers over 3 sets, runs the whole lookup + scaling of step kk + 1 while steps kk - 1
+    // and kk are in flight (sm_90 SASS: the HMUL2s before the WARPGROUP.DEPBAR). H100, 3
+    // alternating rounds against k_loop (benchmarks/results/probe_env_h100_s26_hoist.md): 70B
+    // layers at M = 256 / 512 1-13% faster (but down at k=4, M=512 1-6% slower), 8B down 1-9%
+    // faster, 8B gate_up -4% .. +1%, qkv / o 0-2% slower; a layer's four 0.92-1.00x. The
+    // 64-token tiles (C1, C1w) were 1-5% slower with it and C3 (M = 128) mixed, so they keep
+    // k_loop, and so does the grouped MoE kernel (not measured with it).
+    auto k_loop = [&](auto ne, auto hoist) {
         constexpr int NE = decltype(ne)::value;
+        constexpr bool H = decltype(hoist)::value;
+        static_assert(!H || AB == 2, "the hoisted loop rotates 2 A sets");
         load_stage(0);
-        dequant(0, a[0]);
+        if constexpr (H) lookups(0), scale(0, a[0]);
+        else dequant(0, a[0]);
 #pragma unroll 1
         for (int it = 0; it < kr.count; ++it) {
             const int slot = wg::ring_slot(it, S);
@@ -367,6 +380,15 @@ __global__ void __launch_bounds__(wg::kThreads, 1)
                 for (int b = 0; b < NB; ++b)
                     wgmma_rs<BF16, NE>(acc[b], a[kk % AB][b], desc + (wg::b_step_offset<TN>(kk) >> 4));
                 wg_commit();
+                if constexpr (H) {
+                    const bool more = kk < 7 || it + 1 < kr.count;
+                    if (kk < 7) lookups(kk + 1);
+                    else if (more) load_stage(it + 1), lookups(0);
+                    wg_wait<1>();  // step kk - 1 retired: set (kk + 1) % 2 is free
+                    if (kk == 0 && it > 0 && lane == 0) wg::mbar_arrive(empty0 + 8 * wg::ring_slot(it - 1, S));
+                    if (more) scale((kk + 1) % 8, a[(kk + 1) % 2]);
+                    continue;
+                }
                 wg_wait<kPending>();  // step kk - kPending retired: set (kk + 1) % AB is free
                 // k-tile it - 1's last wgmma (step 7) is retired once kPending steps of this
                 // k-tile have been committed after it: release its slot (one arrival per warp).
@@ -381,53 +403,14 @@ __global__ void __launch_bounds__(wg::kThreads, 1)
             }
         }
     };
-    // The wide-token dense tiles (C2 128 x 128, C2w 128 x 256: one m64 block per warpgroup, a long
-    // wgmma per step) issue step kk + 1's table loads before the wait for step kk - 1: they write
-    // v, not the A registers, so ptxas keeps the wgmmas asynchronous (no C7513) and, renaming the
-    // A registers over 3 sets, runs the whole lookup + scaling of step kk + 1 while steps kk - 1
-    // and kk are in flight (sm_90 SASS: the HMUL2s before the WARPGROUP.DEPBAR). H100, 3
-    // alternating rounds against k_loop (benchmarks/results/probe_env_h100_s26_hoist.md): 70B
-    // layers at M = 256 / 512 1-13% faster (but down at k=4, M=512 1-6% slower), 8B down 1-9%
-    // faster, 8B gate_up -4% .. +1%, qkv / o 0-2% slower; a layer's four 0.92-1.00x. The
-    // 64-token tiles (C1, C1w) were 1-5% slower with it and C3 (M = 128) mixed, so they keep
-    // k_loop, and so does the grouped MoE kernel (not measured with it).
-    auto k_loop_h = [&](auto ne) {
-        constexpr int NE = decltype(ne)::value;
-        load_stage(0);
-        lookups(0);
-        scale(0, a[0]);
-#pragma unroll 1
-        for (int it = 0; it < kr.count; ++it) {
-            const int slot = wg::ring_slot(it, S);
-            const uint64_t desc = wg::desc_sw128(ring + slot * L::kBytes);
-#pragma unroll
-            for (int kk = 0; kk < 8; ++kk) {
-                wg_fence();
-#pragma unroll
-                for (int b = 0; b < NB; ++b)
-                    wgmma_rs<BF16, NE>(acc[b], a[kk & 1][b], desc + (wg::b_step_offset<TN>(kk) >> 4));
-                wg_commit();
-                const bool more = kk < 7 || it + 1 < kr.count;
-                if (kk < 7) lookups(kk + 1);
-                else if (more) {
-                    load_stage(it + 1);
-                    lookups(0);
-                }
-                wg_wait<1>();  // step kk - 1 retired: set (kk + 1) & 1 is free
-                if (kk == 0 && it > 0 && lane == 0) wg::mbar_arrive(empty0 + 8 * wg::ring_slot(it - 1, S));
-                if (more) scale((kk + 1) & 7, a[(kk + 1) & 1]);
-            }
-        }
-    };
-    if constexpr (GM == kDense && AB == 2 && RWG == 64 && TN >= 128) {
-        k_loop_h(std::integral_constant<int, TN>{});
-    } else if constexpr (GM == kDense) {
-        k_loop(std::integral_constant<int, TN>{});
+    using Hoist = std::integral_constant<bool, GM == kDense && AB == 2 && RWG == 64 && TN >= 128>;
+    if constexpr (GM == kDense) {
+        k_loop(std::integral_constant<int, TN>{}, Hoist{});
     } else {
         const int x_rows = wg::narrow_tn(TN, m_rows);  // the width the producer loads
-        if (x_rows == TN / 4) k_loop(std::integral_constant<int, TN / 4>{});
-        else if (x_rows == TN / 2) k_loop(std::integral_constant<int, TN / 2>{});
-        else k_loop(std::integral_constant<int, TN>{});
+        if (x_rows == TN / 4) k_loop(std::integral_constant<int, TN / 4>{}, Hoist{});
+        else if (x_rows == TN / 2) k_loop(std::integral_constant<int, TN / 2>{}, Hoist{});
+        else k_loop(std::integral_constant<int, TN>{}, Hoist{});
     }
     wg_wait<0>();
 #pragma unroll
