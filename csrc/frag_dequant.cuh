@@ -252,7 +252,8 @@ __device__ __forceinline__ void step_lookups(uint32_t (&v)[4], const uint32_t (&
                                              uint32_t tbl_lane, uint32_t stride) {
     const int b2 = (kk >> 1) & 1, s = kk & 1;  // block 2w + b2 = bytes q = 2 b2 + h
 #pragma unroll
-    for (int r = 0; r < 4; ++r) v[r] = lds32(pair_addr<BITS>(iw, 2 * s + (r >> 1), 2 * b2 + (r & 1), tbl_lane, stride));
+    for (int r = 0; r < 4; ++r)
+        v[r] = lds32(pair_addr<BITS>(iw, 2 * s + (r >> 1), 2 * b2 + (r & 1), tbl_lane, stride));
 }
 template <bool BF16>
 __device__ __forceinline__ void step_scale(uint32_t (&a)[4], const uint32_t (&v)[4],

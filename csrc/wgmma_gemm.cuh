@@ -325,23 +325,23 @@ __global__ void __launch_bounds__(wg::kThreads, 1)
             tile_index_words<BITS>(iw[b], planes[b], 0);
         }
     };
-    // A registers of k16 step kk (a compile-time constant once the loops are unrolled).
-    auto dequant = [&](int kk, uint32_t(&dst)[NB][4]) {
-        if (kk == 4) {  // steps 4..7 read plane word 1
-#pragma unroll
-            for (int b = 0; b < NB; ++b) tile_index_words<BITS>(iw[b], planes[b], 1);
-        }
-#pragma unroll
-        for (int b = 0; b < NB; ++b)
-            step_regs<BITS, BF16>(dst[b], iw[b], sc[b], kk, tbl_lane, stride);
-    };
-    // The same in two halves (hoisted loop): table loads of step kk into v, then the scaling.
-    uint32_t v[NB][4];
-    auto lookups = [&](int kk) {
+    auto plane_word = [&](int kk) {  // steps 4..7 read plane word 1
         if (kk == 4) {
 #pragma unroll
             for (int b = 0; b < NB; ++b) tile_index_words<BITS>(iw[b], planes[b], 1);
         }
+    };
+    // A registers of k16 step kk (a compile-time constant once the loops are unrolled).
+    auto dequant = [&](int kk, uint32_t(&dst)[NB][4]) {
+        plane_word(kk);
+#pragma unroll
+        for (int b = 0; b < NB; ++b)
+            step_regs<BITS, BF16>(dst[b], iw[b], sc[b], kk, tbl_lane, stride);
+    };
+    // The same in two halves that the hoisted loop issues apart: table loads into v, then scaling.
+    uint32_t v[NB][4];
+    auto lookups = [&](int kk) {
+        plane_word(kk);
 #pragma unroll
         for (int b = 0; b < NB; ++b) step_lookups<BITS>(v[b], iw[b], kk, tbl_lane, stride);
     };
@@ -353,15 +353,16 @@ __global__ void __launch_bounds__(wg::kThreads, 1)
     // The k loop at token width NE (dense: TN; MoE: wg::narrow_tn of the tile's rows, the
     // accumulator prefix of NE / 2 values per block, the x boxes keep the TN-row layout).
     // H (hoisted): the wide-token dense tiles (C2 128 x 128, C2w 128 x 256: one m64 block per
-    // warpgroup, a long wgmma per step) issue step kk + 1's table loads before the wait for step kk - 1: they write
-    // v, not the A registers, so ptxas keeps the wgmmas asynchronous (no C7513) and, renaming the
-    // A registers over 3 sets, runs the whole lookup + scaling of step kk + 1 while steps kk - 1
-    // and kk are in flight (sm_90 SASS: the HMUL2s before the WARPGROUP.DEPBAR). H100, 3
-    // alternating rounds against k_loop (benchmarks/results/probe_env_h100_s26_hoist.md): 70B
+    // warpgroup, a long wgmma per step) issue step kk + 1's table loads before the wait for step
+    // kk - 1: they write v, not the A registers, so ptxas keeps the wgmmas asynchronous (no C7513)
+    // and, renaming the A registers over 3 sets, runs the whole lookup + scaling of step kk + 1
+    // while steps kk - 1 and kk are in flight (sm_90 SASS: the HMUL2s before the
+    // WARPGROUP.DEPBAR). H100, 3 alternating rounds against the loop without H
+    // (benchmarks/results/probe_env_h100_s26_hoist.md): 70B
     // layers at M = 256 / 512 1-13% faster (but down at k=4, M=512 1-6% slower), 8B down 1-9%
     // faster, 8B gate_up -4% .. +1%, qkv / o 0-2% slower; a layer's four 0.92-1.00x. The
-    // 64-token tiles (C1, C1w) were 1-5% slower with it and C3 (M = 128) mixed, so they keep
-    // k_loop, and so does the grouped MoE kernel (not measured with it).
+    // 64-token tiles (C1, C1w) were 1-5% slower with it and C3 (M = 128) mixed, so they run
+    // without H, and so does the grouped MoE kernel (not measured with it).
     auto k_loop = [&](auto ne, auto hoist) {
         constexpr int NE = decltype(ne)::value;
         constexpr bool H = decltype(hoist)::value;
@@ -385,7 +386,8 @@ __global__ void __launch_bounds__(wg::kThreads, 1)
                     if (kk < 7) lookups(kk + 1);
                     else if (more) load_stage(it + 1), lookups(0);
                     wg_wait<1>();  // step kk - 1 retired: set (kk + 1) % 2 is free
-                    if (kk == 0 && it > 0 && lane == 0) wg::mbar_arrive(empty0 + 8 * wg::ring_slot(it - 1, S));
+                    if (kk == 0 && it > 0 && lane == 0)  // k-tile it - 1's step 7 retired
+                        wg::mbar_arrive(empty0 + 8 * wg::ring_slot(it - 1, S));
                     if (more) scale((kk + 1) % 8, a[(kk + 1) % 2]);
                     continue;
                 }
