@@ -22,9 +22,10 @@ unquantized model in ``--dtype``); the first unquantized method is the baseline 
 Any method + ``@NAME`` runs with the build in ``.ab/NAME`` (tools/ab_base.sh: another git ref),
 e.g. ``--methods bf16,kbit4@base,kbit4`` times main's build against the checkout's in one run.
 Any method + ``+NAME`` runs with the settings of ``--variant NAME:KBIT_VAR=VALUE,...`` (tuning
-variables, as in probe_env.py, or vLLM's ``VLLM_*``; the other methods run without the variants'
-variables), e.g. ``--methods fp16,kbit4,kbit4+old --variant old:KBIT_MMA_CLUSTER_SPLITS=8`` or
-``--methods fp16,fp16+inproc,kbit2lm,kbit2lm+inproc --variant inproc:VLLM_ENABLE_V1_MULTIPROCESSING=0``.
+variables, as in probe_env.py, vLLM's ``VLLM_*`` or torch.compile's ``TORCHINDUCTOR_*``; the
+other methods run without the variants' variables), e.g. ``--methods fp16,kbit4,kbit4+old
+--variant old:KBIT_MMA_CLUSTER_SPLITS=8`` or ``--methods fp16,fp16+inproc,kbit2lm,kbit2lm+inproc
+--variant inproc:VLLM_ENABLE_V1_MULTIPROCESSING=0``.
 """
 
 from __future__ import annotations
@@ -320,7 +321,7 @@ def main(argv: list[str] | None = None) -> None:
     methods = args.methods.split(",")
     from probe_env import parse_variant  # (imports torch: only here, not in the worker path)
 
-    variants = dict(parse_variant(v, ("KBIT_", "VLLM_")) for v in args.variant)
+    variants = dict(parse_variant(v, ("KBIT_", "VLLM_", "TORCHINDUCTOR_")) for v in args.variant)
     for m in methods:  # a typo fails here, not after the baseline has run
         if m.startswith("kbit"):
             kbit_config(m)
