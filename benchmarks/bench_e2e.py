@@ -77,6 +77,11 @@ def model_dir(config: str | None, work: Path, shape: str = "llama-8b") -> Path:
     return d
 
 
+# The variables a --variant may set: the kernels' tuning variables and, since every method runs in
+# a fresh vLLM process, vLLM's and torch.compile's (e.g. TORCHINDUCTOR_ENABLE_PDL=1, given its own
+# VLLM_CACHE_ROOT and TORCHINDUCTOR_CACHE_DIR so that no graph compiled without it is reused).
+VARIANT_PREFIXES = ("KBIT_", "VLLM_", "TORCHINDUCTOR_")
+
 # kbit method names: kbitK[lm][pdl], K in 2..5.
 KBIT_METHOD = re.compile(r"kbit([2-5])(lm)?(pdl)?")
 
@@ -321,7 +326,7 @@ def main(argv: list[str] | None = None) -> None:
     methods = args.methods.split(",")
     from probe_env import parse_variant  # (imports torch: only here, not in the worker path)
 
-    variants = dict(parse_variant(v, ("KBIT_", "VLLM_", "TORCHINDUCTOR_")) for v in args.variant)
+    variants = dict(parse_variant(v, VARIANT_PREFIXES) for v in args.variant)
     for m in methods:  # a typo fails here, not after the baseline has run
         if m.startswith("kbit"):
             kbit_config(m)

@@ -599,6 +599,14 @@ def test_probe_env_variants() -> None:
         "mp", {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})  # fmt: skip
     with pytest.raises(ValueError, match="KBIT_VAR=VALUE or VLLM_VAR=VALUE"):
         probe_env.parse_variant("x:CUDA_VISIBLE_DEVICES=1", vllm_ok)
+    # ... and torch.compile's (bench_e2e's own list)
+    import bench_e2e
+
+    pdl = "pdl:TORCHINDUCTOR_ENABLE_PDL=1,VLLM_CACHE_ROOT=/tmp/v,KBIT_PDL=1"
+    assert probe_env.parse_variant(pdl, bench_e2e.VARIANT_PREFIXES) == (
+        "pdl", {"TORCHINDUCTOR_ENABLE_PDL": "1", "VLLM_CACHE_ROOT": "/tmp/v", "KBIT_PDL": "1"})  # fmt: skip
+    with pytest.raises(ValueError, match="--variant"):
+        probe_env.parse_variant("x:CUDA_VISIBLE_DEVICES=1", bench_e2e.VARIANT_PREFIXES)
 
 
 def test_probe_env_op_gemv_rejects_wide_batches() -> None:
