@@ -67,12 +67,18 @@ SHAPES = {"llama-8b": (LLAMA_8B, "Llama-3.1-8B shape"),
           "qwen3-30b-a3b": (QWEN3_30B_A3B, "Qwen3-30B-A3B shape (MoE, 128 experts top-8)")}
 
 
-def model_dir(config: str | None, work: Path, shape: str = "llama-8b") -> Path:
-    """A directory holding only config.json (dummy weights need nothing else)."""
+def model_dir(config: str | None, work: Path, shape: str = "llama-8b",
+              layers: int | None = None) -> Path:
+    """A directory holding only config.json (dummy weights need nothing else); ``layers``
+    overrides num_hidden_layers."""
     d = work / "model"
     d.mkdir(parents=True, exist_ok=True)
     cfg = json.loads(Path(config).read_text()) if config else dict(SHAPES[shape][0])
     cfg.pop("quantization_config", None)
+    if layers is not None:
+        if layers < 1:
+            raise ValueError(f"--layers must be >= 1, got {layers}")
+        cfg["num_hidden_layers"] = layers
     (d / "config.json").write_text(json.dumps(cfg, indent=1))
     return d
 
@@ -299,6 +305,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--eager", action="store_true", help="--enforce-eager (default: compile + graphs)"
     )
+    p.add_argument("--layers", type=int,
+                   help="override num_hidden_layers (e.g. 1: the per-step cost outside the "
+                        "decoder layers: host, embedding, lm_head, sampling)")  # fmt: skip
     p.add_argument("--out-dir", default=str(HERE / "results"))
     p.add_argument("--tag", default="", help="suffix of the output file names")
     p.add_argument("--timeout", type=int, default=420, help="seconds per method")
@@ -336,13 +345,14 @@ def main(argv: list[str] | None = None) -> None:
                              "command": " ".join([Path(sys.argv[0]).name] + (argv or sys.argv[1:])),
                              "input_len": args.input_len, "output_len": args.output_len,
                              "repeats": args.repeats, "dtype": args.dtype,
-                             "model_desc": args.config or SHAPES[args.shape][1]}  # fmt: skip
+                             "model_desc": (args.config or SHAPES[args.shape][1]) +
+                                           (f", {args.layers} layer(s)" if args.layers else "")}  # fmt: skip
         baseline = next((m for m in methods if not m.startswith("kbit")), "fp16")
         res = {"meta": meta, "methods": [], "baseline": baseline, "results": [], "failed": {}}
     res["methods"] = list(dict.fromkeys(res["methods"] + methods))
     if variants:
         res["meta"]["variants"] = res["meta"].get("variants", {}) | variants
-    mdir = model_dir(args.config, Path("/tmp/kbit-e2e"), args.shape)
+    mdir = model_dir(args.config, Path("/tmp/kbit-e2e"), args.shape, args.layers)
     for m in methods:
         todo = [
             b

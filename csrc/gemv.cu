@@ -26,7 +26,14 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor
 
     const c10::cuda::CUDAGuard guard(x.device());
     const GemvDevice d = gemv_device(x, "gemv");
-    const Plan plan = make_plan(M, M, shape.n_tiles, shape.k_tiles, bits, d.sms, d.smem_max);
+    // KBIT_GEMV_PAIR: 0 = single n-tiles only, 1 = paired wherever n_tiles is even (tuning and
+    // test hook; default: the cost model's choice, see kDensePair in gemv.cuh)
+    const int pair_env = env_int("KBIT_GEMV_PAIR", -1);
+    const PairMode pair_mode = pair_env == 0   ? PairMode::kNever
+                               : pair_env == 1 ? PairMode::kAlways
+                                               : PairMode::kAuto;
+    const Plan plan =
+        make_plan(M, M, shape.n_tiles, shape.k_tiles, bits, d.sms, d.smem_max, pair_mode);
     TORCH_CHECK(plan.splits > 0, "kbit::gemv: not enough shared memory (", d.smem_max,
                 " B per block) for M=", M);
     // The kernel splits n-tiles over groups in 32-bit arithmetic.
@@ -56,7 +63,12 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor
     // the GEMV follows vLLM's kernels, which do not trigger early. Off by default.
     static const bool pdl = env_int("KBIT_PDL", 0) != 0;
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-    if (x.scalar_type() == at::kHalf)
+    const bool half = x.scalar_type() == at::kHalf;
+    if (plan.pair && half)
+        launch_bits<__half, kDensePair>(bits, p, MoeArgs{}, plan, d, pdl, stream);
+    else if (plan.pair)
+        launch_bits<__nv_bfloat16, kDensePair>(bits, p, MoeArgs{}, plan, d, pdl, stream);
+    else if (half)
         launch_bits<__half, kDense>(bits, p, MoeArgs{}, plan, d, pdl, stream);
     else
         launch_bits<__nv_bfloat16, kDense>(bits, p, MoeArgs{}, plan, d, pdl, stream);

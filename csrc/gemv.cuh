@@ -26,7 +26,9 @@
 //    (n-tile, k-tile) units are dealt to the warps in contiguous runs (all warps get the same
 //    count +-1); each warp streams its run with kPrefetch tiles in registers and stores its
 //    per-n-tile sums in shared memory, which the epilogue adds in a fixed order: no atomics on
-//    data, the result is deterministic.
+//    data, the result is deterministic. Where n-tiles pair up without lengthening the busiest
+//    warp's run, a unit is two n-tiles at one k-tile (kDensePair): x is read from shared memory
+//    once for both.
 //
 // Issue slots per tile and lane (64 weights), sm_90 SASS of the main loop, k=4: 32 LOP3/SHF/IMAD
 // (bit-plane transpose), 32 PRMT (table addresses), 32 LDS.32 (pairs), 4 LDS.128 (x), 8 HMMA,
@@ -76,7 +78,15 @@ namespace kbit {
 namespace {
 
 constexpr int kThreads = kWarps * 32;
-enum Mode : int { kDense = 0, kMoeGateUp = 1, kMoeDown = 2 };
+// kDensePair: kDense with units of two vertically adjacent n-tiles at the same k-tile, so that
+// each lane's x chunk (4 LDS.128 per tile, 4 shared-memory wavefronts each although at M=1 the
+// warp reads only 64 distinct bytes: ncu source counters) is read once for two tiles. An H100
+// probe (x read once per round of 2 tiles, 8B / 70B layers, k=2, M = 1 / 4,
+// benchmarks/results/probe_env_h100_s27_xprobe.md) took 0.92-0.97x the time; never reading x
+// again 0.89-0.95x. ncu (k=2, 8B gate_up, M=1): 2.39 shared wavefronts per LDS, 20 LDS per tile,
+// MIO-queue stalls the first stall reason (19%). The host picks it where n-tiles pair up without
+// a longer critical path (make_plan).
+enum Mode : int { kDense = 0, kMoeGateUp = 1, kMoeDown = 2, kDensePair = 3 };
 // Tiles per warp in registers. The main loop drains all of a warp's loads once per round of
 // kPrefetch tiles (see there); the other 15 warps of the SM keep the memory system busy meanwhile
 // (dense, 2 tiles: 16 x 2 x 0.6-1.3 KB = 18-42 KB per SM in flight). Measured on an H100 (8B shapes,
@@ -88,7 +98,7 @@ enum Mode : int { kDense = 0, kMoeGateUp = 1, kMoeDown = 2 };
 // deeper rings lose was not isolated (the longer unrolled round costs registers, up to 128 with
 // spills at 5-6 tiles, and instruction fetch); the bytes in flight were not the limit.
 template <int kMode>
-constexpr int kPrefetch = kMode == kDense ? 2 : 1;
+constexpr int kPrefetch = kMode == kDense || kMode == kDensePair ? 2 : 1;
 constexpr int kMaxM = 8;  // the MMA's N
 constexpr int kTableRows = 256;
 constexpr int kTableRows5 = 1024;
@@ -210,12 +220,16 @@ struct TileStream {
     uint32_t qo, ao, q_jump, a_jump;
     int left, k_len;
 
-    __device__ __forceinline__ Tile<kBits> load() const {
+    // dq, da: kDensePair's second tile, one n-tile further (k_tiles tiles on).
+    __device__ __forceinline__ Tile<kBits> load(uint32_t dq = 0, uint32_t da = 0) const {
         Tile<kBits> r;
+        // (qo + dq) in 32 bits, then one pointer add: as q + qo + dq (two 64-bit adds per load)
+        // the paired loop was 1.01-1.11x slower than single n-tiles, with it 0.93-0.98x at k=2
+        // (benchmarks/results/probe_env_h100_s27_ptr.md)
 #pragma unroll
-        for (int j = 0; j < kBits; ++j) r.q[j] = ld_stream_v2(q + qo + j * 32);  // 256 B per plane
-        r.am[0] = ld_stream_u32(a + ao);
-        r.am[1] = ld_stream_u32(a + ao + 8);  // row g + 8
+        for (int j = 0; j < kBits; ++j) r.q[j] = ld_stream_v2(q + (qo + dq) + j * 32);  // 256 B per plane
+        r.am[0] = ld_stream_u32(a + (ao + da));
+        r.am[1] = ld_stream_u32(a + (ao + da) + 8);  // row g + 8
         return r;
     }
     __device__ __forceinline__ void next() {
@@ -362,10 +376,11 @@ struct Decoder {
 // One 16x128 tile into acc (rows g, g+8 x token columns 2t, 2t+1); xs = this lane's x chunk of
 // the k-tile in shared memory (4 blocks x 64 B, this lane's 16 B at +t*16 already added).
 // kScaled (kMoeDown): the block factors also carry the slot's router weight tl.w.
-template <int kBits, typename T, bool kScaled = false>
+// kXr (kDensePair): 1 = also keep the x chunk in xr, 2 = take it from xr (no shared-memory read).
+template <int kBits, typename T, bool kScaled = false, int kXr = 0>
 __device__ __forceinline__ void tile_mma(const Tile<kBits>& tl, const uint8_t* table,
                                          uint32_t lane_off, int row_shift, const uint8_t* xs,
-                                         float (&acc)[4]) {
+                                         float (&acc)[4], uint4 (&xr)[4]) {
     // absmax/16 as fp16 bits: [row][0] = blocks (0, 2), [row][1] = blocks (1, 3).
     const uint32_t sc[2][2] = {{(tl.am[0] << 6) & 0x3FC03FC0u, (tl.am[0] >> 2) & 0x3FC03FC0u},
                                {(tl.am[1] << 6) & 0x3FC03FC0u, (tl.am[1] >> 2) & 0x3FC03FC0u}};
@@ -380,7 +395,8 @@ __device__ __forceinline__ void tile_mma(const Tile<kBits>& tl, const uint8_t* t
             uint32_t a[2][4];
             dec.frags(table, lane_off, row_shift, bb, a);
             // x pairs (cols 2t + 8i) of this block, i = 0..3, staged contiguously per lane.
-            const uint4 xv = *reinterpret_cast<const uint4*>(xs + (2 * w + bb) * 64);
+            if (kXr != 2) xr[2 * w + bb] = *reinterpret_cast<const uint4*>(xs + (2 * w + bb) * 64);
+            const uint4 xv = xr[2 * w + bb];
             float d[4] = {0.f, 0.f, 0.f, 0.f};
             mma_m16n8k16<std::is_same_v<T, __nv_bfloat16>>(d, a[0], xv.x, xv.y);
             mma_m16n8k16<std::is_same_v<T, __nv_bfloat16>>(d, a[1], xv.z, xv.w);
@@ -528,7 +544,10 @@ __device__ __forceinline__ void store_sums(float (&acc)[4], float* rows, int g, 
 
 template <int kBits, typename T, int kMode = kDense>
 __global__ void __launch_bounds__(kThreads, 1) gemv_kernel(const Params p, const MoeArgs mo) {
-    constexpr bool kMoe = kMode != kDense, kDown = kMode == kMoeDown;
+    constexpr bool kMoe = kMode == kMoeGateUp || kMode == kMoeDown, kDown = kMode == kMoeDown;
+    constexpr bool kPair = kMode == kDensePair;
+    constexpr int kNU = kPair ? 2 : 1;       // n-tiles per unit (the host keeps n_tiles even)
+    constexpr int kRows = kTileN * kNU;       // output rows per unit
     extern __shared__ __align__(16) uint8_t smem[];  // [table][x rows][sums][warp partials]
     __shared__ int is_last;
     // MoE: local expert (-1: none) and router weight of each slot
@@ -541,11 +560,12 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_kernel(const Params p, const
     const int split = blockIdx.x - group * p.splits;
     // 32-bit: the host checks n_tiles * groups < 2^32 (a 64-bit division is a ~100-instruction
     // call, and this runs on the latency chain before the first weight is used).
-    const unsigned n_tiles = p.n_tiles, gr = p.groups;
-    const int n_begin = static_cast<int>(group * n_tiles / gr);
-    const int n_cta = static_cast<int>((group + 1) * n_tiles / gr) - n_begin;
+    const unsigned n_rows = p.n_tiles / kNU, gr = p.groups;  // units along n: n-tiles or pairs
+    const int n_begin = kNU * static_cast<int>(group * n_rows / gr);
+    const int n_cta = kNU * static_cast<int>((group + 1) * n_rows / gr) - n_begin;
     const int k_begin = split * p.k_len, k_len = min(p.k_len, p.k_tiles - k_begin);
-    const int units = n_cta * k_len;  // (n-tile, k-tile) pairs, n-major: consecutive in memory
+    // (n-tile or pair, k-tile) units, n-major: consecutive in memory
+    const int units = n_cta / kNU * k_len;
     const int u0 = run_begin(warp, units), u1 = run_begin(warp + 1, units);  // host: no overflow
 
     // What the CTA reads before its first MMA is requested at once, in the order it is needed:
@@ -588,21 +608,33 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_kernel(const Params p, const
             ts.j = ts.j0 = 0, ts.lk = kk, ts.lk0 = k_begin;
         }
     } else {
-        const int64_t first = int64_t{n_begin + u0 / k_len} * p.k_tiles + k_begin + u0 % k_len;
+        const int64_t first =
+            int64_t{n_begin + u0 / k_len * kNU} * p.k_tiles + k_begin + u0 % k_len;
         ts.qo = static_cast<uint32_t>(first * (kBits * 32) + lane);
         ts.ao = static_cast<uint32_t>(first * 16 + g);
-        ts.q_jump = static_cast<uint32_t>(p.k_tiles - k_len) * (kBits * 32);
-        ts.a_jump = static_cast<uint32_t>(p.k_tiles - k_len) * 16;
+        ts.q_jump = static_cast<uint32_t>(kNU * p.k_tiles - k_len) * (kBits * 32);
+        ts.a_jump = static_cast<uint32_t>(kNU * p.k_tiles - k_len) * 16;
     }
     ts.k_len = k_len;
     ts.left = k_len - u0 % k_len;
     Tile<kBits> buf[D];
+    // kDensePair: the second tile of a unit, one n-tile (k_tiles tiles) after the first
+    const uint32_t pair_q = static_cast<uint32_t>(p.k_tiles) * (kBits * 32);
+    const uint32_t pair_a = static_cast<uint32_t>(p.k_tiles) * 16;
     auto load_ring = [&] {  // the warp's first D tiles, in stream order
-#pragma unroll
-        for (int i = 0; i < D; ++i) {
-            if (u0 + i < u1) {
-                buf[i] = ts.load();
+        if constexpr (kPair) {
+            if (u0 < u1) {
+                buf[0] = ts.load();
+                buf[1] = ts.load(pair_q, pair_a);
                 ts.next();
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < D; ++i) {
+                if (u0 + i < u1) {
+                    buf[i] = ts.load();
+                    ts.next();
+                }
             }
         }
     };
@@ -651,33 +683,58 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_kernel(const Params p, const
     const uint32_t lane_off = kBits == 2   ? lane * 8
                               : kBits == 5 ? (lane & ((1 << (p.row_shift - 2)) - 1)) * 4
                                            : lane * 4;
-    // A warp adds up one n-tile segment of its run at a time. A segment spanning the n-tile's
-    // whole K range is this warp's alone and goes to acc_s; only the first and the last segment
-    // of a run can be partial, they go to the warp's part_s slots 0 and 1, and the epilogue adds
-    // the slots of an n-tile in warp order (gemv_runs.cuh): no atomics, deterministic.
+    // A warp adds up one n-tile (kDensePair: pair) segment of its run at a time. A segment
+    // spanning the whole K range is this warp's alone and goes to acc_s; only the first and the
+    // last segment of a run can be partial, they go to the warp's part_s slots 0 and 1 (kRows rows
+    // each), and the epilogue adds the slots of a row in warp order (gemv_runs.cuh): no atomics,
+    // deterministic.
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    float* acc_tile = acc_s + (u0 / k_len) * kTileN * p.M;  // this n-tile's sums
-    float* part = part_s + warp * 2 * kTileN * p.M;
+    float acc2[4] = {0.f, 0.f, 0.f, 0.f};  // kDensePair: the pair's second n-tile
+    uint4 xr[4];                           // kDensePair: the unit's x chunk
+    float* acc_tile = acc_s + (u0 / k_len) * kRows * p.M;  // this n-tile's (pair's) sums
+    float* part = part_s + warp * 2 * kRows * p.M;
     int left = k_len - u0 % k_len;  // k-tiles left in this n-tile
     bool whole = left == k_len;     // the segment started at k-tile 0
+    // The segment ends: its sums leave the registers.
+    auto segment_end = [&](bool tile_end) {
+        float* dst = tile_end && whole ? acc_tile : part;
+        store_sums(acc, dst, g, t, p.M);
+        if constexpr (kPair) store_sums(acc2, dst + kTileN * p.M, g, t, p.M);
+        part = part_s + (warp * 2 + 1) * kRows * p.M;
+        whole = true;
+    };
+    // kDensePair, unit u: tile A (slot 0) reads x from shared memory and keeps it for tile B
+    // (slot 1); each slot is refilled right after its MMA, as in the single-tile round below.
+    auto step_pair = [&](int u) {
+        if constexpr (kPair) {
+            tile_mma<kBits, T, false, 1>(buf[0], smem, lane_off, p.row_shift, xs, acc, xr);
+            if (u + 1 < u1) buf[0] = ts.load();
+            tile_mma<kBits, T, false, 2>(buf[1], smem, lane_off, p.row_shift, xs, acc2, xr);
+            if (u + 1 < u1) {
+                buf[1] = ts.load(pair_q, pair_a);
+                ts.next();
+            }
+            const bool tile_end = --left == 0;
+            if (tile_end || u + 1 == u1) segment_end(tile_end);
+            xs += kTileK * 2;
+            if (tile_end) left = k_len, acc_tile += kRows * p.M, xs = xs0;
+        }
+    };
     // Tile u (ring slot i = (u - u0) % D): its MMA, the slot's refill with tile u + D, the sums.
     auto step = [&](int i, int u) {
         if constexpr (kMoe) {
             if (buf[i].xo >= 0)
-                tile_mma<kBits, T, kDown>(buf[i], smem, lane_off, p.row_shift, xs_lane + buf[i].xo, acc);
+                tile_mma<kBits, T, kDown>(buf[i], smem, lane_off, p.row_shift,
+                                          xs_lane + buf[i].xo, acc, xr);
         } else {
-            tile_mma<kBits, T>(buf[i], smem, lane_off, p.row_shift, xs, acc);
+            tile_mma<kBits, T>(buf[i], smem, lane_off, p.row_shift, xs, acc, xr);
         }
         if (u + D < u1) {  // refill the slot just consumed (a predicated load, no branch)
             buf[i] = ts.load();
             ts.next();
         }
         const bool tile_end = --left == 0;
-        if (tile_end || u + 1 == u1) {
-            store_sums(acc, tile_end && whole ? acc_tile : part, g, t, p.M);
-            part = part_s + (warp * 2 + 1) * kTileN * p.M;
-            whole = true;
-        }
+        if (tile_end || u + 1 == u1) segment_end(tile_end);
         if constexpr (!kMoe) xs += kTileK * 2;
         if (tile_end) {
             left = k_len, acc_tile += kTileN * p.M;
@@ -692,14 +749,19 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_kernel(const Params p, const
     // (benchmarks/results/gemv_streaming_h100_s9.md). Without the branch, the wait of slot 0 also
     // covers slots 1..D-1, which were loaded before it: two waits per round (sm_90 SASS), and the
     // 15 other warps of the SM compute meanwhile. The tail round keeps the branch.
-    int u = u0;
-    for (; u + D <= u1; u += D) {
+    // kDensePair: every unit is one whole round of its 2 tiles (no tail).
+    if constexpr (kPair) {
+        for (int u = u0; u < u1; ++u) step_pair(u);
+    } else {
+        int u = u0;
+        for (; u + D <= u1; u += D) {
 #pragma unroll
-        for (int i = 0; i < D; ++i) step(i, u + i);
+            for (int i = 0; i < D; ++i) step(i, u + i);
+        }
+#pragma unroll
+        for (int i = 0; i < D; ++i)  // the last < D tiles
+            if (u + i < u1) step(i, u + i);
     }
-#pragma unroll
-    for (int i = 0; i < D; ++i)  // the last < D tiles
-        if (u + i < u1) step(i, u + i);
     pdl_trigger();  // the weights are streamed: the next kernel may start its prologue
     __syncthreads();
 
@@ -712,8 +774,8 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_kernel(const Params p, const
     const int rows = min(n_cta * kTileN, p.n - n_begin * kTileN), row0 = n_begin * kTileN;
     T* y = static_cast<T*>(p.y);
     for (int r = threadIdx.x; r < rows; r += kThreads) {
-        // unsigned (r >= 0): / and % by 16 are a shift and a mask
-        const unsigned ur = r, rr = ur % kTileN, a = ur / kTileN * k_len;  // n-tile's first unit
+        // unsigned (r >= 0): / and % by 16 (32) are a shift and a mask; a = the row's first unit
+        const unsigned ur = r, rr = ur % kRows, a = ur / kRows * k_len;
         const unsigned w_lo = warp_of(a, units), w_hi = warp_of(a + k_len - 1, units);
         float sw = 1.f;
         if (kMode == kMoeGateUp && mo.weight_on_input)  // topk == 1: row / 2I = slot
@@ -722,7 +784,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_kernel(const Params p, const
         for (int m = 0; m < p.M; ++m) {
             float v = 0.f;
             if (w_lo == w_hi) {
-                v = acc_s[r * p.M + m];  // one warp summed the whole n-tile
+                v = acc_s[r * p.M + m];  // one warp summed the whole n-tile (pair)
             } else {
                 // A counted loop (a `w <= w_hi` loop on unsigned has no trip count for ptxas, which
                 // then checks the exit after every load and serialises them).
@@ -732,7 +794,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_kernel(const Params p, const
                     const unsigned w = w_lo + i;
                     // Loaded unconditionally (an empty run's slot is in bounds, never written,
                     // and not added): the unrolled loads then issue back to back.
-                    const float s = part_s[(partial_slot(w, a, units) * kTileN + rr) * p.M + m];
+                    const float s = part_s[(partial_slot(w, a, units) * kRows + rr) * p.M + m];
                     if (!run_empty(w, units)) v += s;
                 }
             }
@@ -765,44 +827,67 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_kernel(const Params p, const
 
 struct Plan {
     int splits = 0, k_len = 0, groups = 0, table_bytes = 0, row_shift = 0;
+    bool pair = false;  // launch kDensePair: units of two n-tiles
     int64_t xrow = 0, smem = 0;
 };
 
-// Picks the K split and the table size: minimise the tiles of the busiest warp (+ a fixed price
-// for split-K: workspace traffic, the counter memset and the last-CTA pass), within shared memory.
-// M = token columns of the sums (MoE: 1), Mx = token rows of x staged (dense: M; MoE: T).
+// kNever: kDense / MoE; kAuto: kDensePair where make_plan's cost is lower (k=2); kAlways: wherever
+// n_tiles is even (KBIT_GEMV_PAIR=0 / 1 force the first / last for dense GEMVs).
+enum class PairMode { kNever, kAuto, kAlways };
+
+// Time of a tile in kDensePair relative to kDense, plus a fixed price per call, in single-tile
+// times (H100, k=2, M = 1 / 4, benchmarks/results/probe_env_h100_s27_ptr.md): 0.93-0.98x on
+// 8B gate_up / down and 70B o / gate_up / down, where a warp has 14-56 tiles, but 1.00 / 1.05x on
+// 8B o, where it has 4 (the price keeps that one single). kAuto pairs k=2 only: at k=4 the pairs
+// took 0.98-1.04x (x is a smaller share of the loop's shared-memory reads), k=3 / 5 not measured.
+constexpr double kPairTile = 0.95, kPairPrice = 0.5;
+
+// Picks the K split, the table size and (pair_mode) single or paired n-tiles: minimise the tile
+// times of the busiest warp (+ a fixed price for split-K: workspace traffic, the counter memset
+// and the last-CTA pass), within shared memory. M = token columns of the sums (MoE: 1), Mx = token
+// rows of x staged (dense: M; MoE: T).
 Plan make_plan(int64_t M, int64_t Mx, int64_t n_tiles, int64_t k_tiles, int64_t bits,
-               int64_t sms, int64_t smem_max) {
+               int64_t sms, int64_t smem_max, PairMode pair_mode = PairMode::kNever) {
     constexpr double kSplitPrice = 3.0;  // in tiles per warp, ~1.5-2 us
     Plan best;
     double best_cost = 0.0;
     const int shifts5[2] = {7, 6};  // k = 5: 32 copies (128 KB), else 16 copies (64 KB)
-    for (int v = 0; v < (bits == 5 ? 2 : 1); ++v) {
-        const int row_shift = bits == 5 ? shifts5[v] : 8;
-        const int64_t table = bits == 5 ? int64_t{kTableRows5} << row_shift : kTableBytes;
-        const double slow = bits == 5 && row_shift == 6 ? 1.3 : 1.0;  // 2-way bank conflicts
-        for (int64_t s = 1; s <= k_tiles; ++s) {
-            const int64_t k_len = ceil_div(k_tiles, s);
-            if (ceil_div(k_tiles, k_len) != s) continue;  // same split as a smaller s
-            const int64_t xrow = k_len * kTileK * 2 + kXPad;
-            const int64_t per_tile = kTileN * M * 4;  // sum bytes per n-tile
-            const int64_t room = smem_max - table - Mx * xrow - 2 * kWarps * per_tile;
-            if (room < per_tile) continue;
-            int64_t groups = std::min(n_tiles, std::max<int64_t>(1, sms / s));
-            groups = std::max(groups, ceil_div(n_tiles, room / per_tile));
-            const int64_t n_cta = ceil_div(n_tiles, groups);
-            const int64_t waves = ceil_div(groups * s, sms);
-            const double cost = double(waves * ceil_div(n_cta * k_len, kWarps)) * slow +
-                                (s > 1 ? kSplitPrice : 0.0);
-            if (best.splits == 0 || cost < best_cost) {
-                best_cost = cost;
-                best.splits = static_cast<int>(s);
-                best.k_len = static_cast<int>(k_len);
-                best.groups = static_cast<int>(groups);
-                best.table_bytes = static_cast<int>(table);
-                best.row_shift = row_shift;
-                best.xrow = xrow;
-                best.smem = table + Mx * xrow + (n_cta + 2 * kWarps) * per_tile;
+    const bool can_pair = n_tiles % 2 == 0 && (pair_mode == PairMode::kAlways ||
+                                               (pair_mode == PairMode::kAuto && bits == 2));
+    for (int pair = can_pair && pair_mode == PairMode::kAlways; pair <= int{can_pair}; ++pair) {
+        const int64_t nu = pair ? 2 : 1;  // n-tiles per unit
+        const int64_t n_units = n_tiles / nu;
+        const double unit_cost = pair ? 2 * kPairTile : 1.0;  // in single-tile times
+        const double price = pair ? kPairPrice : 0.0;
+        for (int v = 0; v < (bits == 5 ? 2 : 1); ++v) {
+            const int row_shift = bits == 5 ? shifts5[v] : 8;
+            const int64_t table = bits == 5 ? int64_t{kTableRows5} << row_shift : kTableBytes;
+            const double slow = bits == 5 && row_shift == 6 ? 1.3 : 1.0;  // 2-way bank conflicts
+            for (int64_t s = 1; s <= k_tiles; ++s) {
+                const int64_t k_len = ceil_div(k_tiles, s);
+                if (ceil_div(k_tiles, k_len) != s) continue;  // same split as a smaller s
+                const int64_t xrow = k_len * kTileK * 2 + kXPad;
+                const int64_t per_unit = nu * kTileN * M * 4;  // sum bytes per unit row
+                const int64_t room = smem_max - table - Mx * xrow - 2 * kWarps * per_unit;
+                if (room < per_unit) continue;
+                int64_t groups = std::min(n_units, std::max<int64_t>(1, sms / s));
+                groups = std::max(groups, ceil_div(n_units, room / per_unit));
+                const int64_t n_cta = ceil_div(n_units, groups);  // unit rows per CTA
+                const int64_t waves = ceil_div(groups * s, sms);
+                const double cost =
+                    double(waves * ceil_div(n_cta * k_len, kWarps)) * slow * unit_cost +
+                    (s > 1 ? kSplitPrice : 0.0) + price;
+                if (best.splits == 0 || cost < best_cost) {
+                    best_cost = cost;
+                    best.splits = static_cast<int>(s);
+                    best.k_len = static_cast<int>(k_len);
+                    best.groups = static_cast<int>(groups);
+                    best.table_bytes = static_cast<int>(table);
+                    best.row_shift = row_shift;
+                    best.pair = pair != 0;
+                    best.xrow = xrow;
+                    best.smem = table + Mx * xrow + (n_cta + 2 * kWarps) * per_unit;
+                }
             }
         }
     }

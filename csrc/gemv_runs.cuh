@@ -9,6 +9,8 @@
 // when units < kWarps). Its sums leave the registers one n-tile segment at a time: a segment
 // that covers all k_len k-tiles of its n-tile goes to that n-tile's rows of acc_s; only the first
 // and the last segment of a run can be partial, they go to the warp's part_s slots 0 and 1.
+// kDensePair's units are (pair of n-tiles, k-tile): "n-tile" here then means the pair, whose 32
+// rows' sums travel together; the index math is the same.
 #pragma once
 
 namespace kbit {

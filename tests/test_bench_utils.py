@@ -615,3 +615,16 @@ def test_probe_env_op_gemv_rejects_wide_batches() -> None:
         probe_env.main(["--op", "gemv", "--m", "1,16", "--variant", "base:"])
     with pytest.raises(SystemExit):  # argparse: an op that does not exist
         probe_env.main(["--op", "moe", "--variant", "base:"])
+
+
+def test_bench_e2e_model_dir_layers(tmp_path: Path) -> None:
+    # --layers N: the built-in shape with num_hidden_layers = N, nothing else changed
+    import bench_e2e
+
+    full = json.loads((bench_e2e.model_dir(None, tmp_path / "a") / "config.json").read_text())
+    one = json.loads((bench_e2e.model_dir(None, tmp_path / "b", layers=1) / "config.json").read_text())
+    assert full["num_hidden_layers"] == 32 and one["num_hidden_layers"] == 1
+    assert {k: v for k, v in one.items() if k != "num_hidden_layers"} == {
+        k: v for k, v in full.items() if k != "num_hidden_layers"}  # fmt: skip
+    with pytest.raises(ValueError, match="--layers must be >= 1"):
+        bench_e2e.model_dir(None, tmp_path / "c", layers=0)

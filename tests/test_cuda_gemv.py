@@ -109,6 +109,28 @@ def test_awkward_shapes(n: int, k: int, bits: int) -> None:
             _check(_x(m, k, dtype), qt, at, cb, bits, n, "awkward")
 
 
+@pytest.mark.parametrize("pair", ["0", "1"], ids=["single", "paired"])
+@pytest.mark.parametrize(
+    "n, k, bits",
+    [
+        (17, 4128, 2),  # 2 n-tiles (one pair), 33 k-tiles: every warp's run is a partial segment
+        (96, 4128, 3),  # 3 pairs: split-K
+        (1040, 4128, 4),  # 65 n-tiles: odd, single n-tiles whatever KBIT_GEMV_PAIR says
+        (8, 96, 5),  # 1 n-tile, a partial k-tile
+        (DOWN[0], DOWN[1], 2),  # M=8: x too big for one CTA -> split-K
+        (GATE_UP[0], GATE_UP[1], 5),  # 7 pairs per CTA: runs cross pairs, whole pairs in acc_s
+    ],
+)
+def test_single_and_paired_n_tiles(monkeypatch, pair: str, n: int, k: int, bits: int) -> None:
+    """KBIT_GEMV_PAIR=1: units of two n-tiles (gemv.cuh, kDensePair) wherever n_tiles is even,
+    =0: single n-tiles; the default picks by a cost model, so both are forced here."""
+    monkeypatch.setenv("KBIT_GEMV_PAIR", pair)
+    qt, at, cb = _weights(n, k, bits)
+    for dtype in DTYPES:
+        for m in (1, 3, 8):
+            _check(_x(m, k, dtype), qt, at, cb, bits, n, f"KBIT_GEMV_PAIR={pair}")
+
+
 @pytest.mark.parametrize("bits", [2, 3, 4, 5])
 def test_custom_codebook(bits: int) -> None:
     n, k = 200, 1152

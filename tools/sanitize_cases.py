@@ -44,8 +44,9 @@ for bits in BITS:
 os.environ.pop("KBIT_FORCE_KERNEL", None)
 
 
-def check_mma(what: str, shapes: tuple, ms: tuple) -> None:
-    """kbit::mma, as the KBIT_MMA_* environment selects it, against x @ the dequantized W."""
+def check_mma(what: str, shapes: tuple, ms: tuple, op: str = "mma") -> None:
+    """kbit::mma (or kbit::``op``), as the KBIT_* environment selects it, against x @ the
+    dequantized W."""
     for bits in BITS:
         cb = default_codebook(bits).to(dev)
         for n, k in shapes:
@@ -56,9 +57,16 @@ def check_mma(what: str, shapes: tuple, ms: tuple) -> None:
                 for m in ms:
                     x = torch.randn(m, k, device=dev, dtype=dtype)
                     want = x.float() @ w_deq.t()
-                    y = K_OPS.mma(x, qt, at, cb, bits, n).float()
+                    y = getattr(K_OPS, op)(x, qt, at, cb, bits, n).float()
                     err = ((y - want).norm() / want.norm()).item()
                     assert err < 2e-2, f"{what} bits={bits} n={n} k={k} m={m} {dtype}: rel err {err}"
+
+
+# the GEMV with units of two n-tiles (KBIT_GEMV_PAIR=1: wherever n_tiles is even; by default k=2 on
+# large layers): one pair, 3 pairs with split-K (M=8), runs across pairs, odd n_tiles (single)
+os.environ["KBIT_GEMV_PAIR"] = "1"
+check_mma("gemv pairs", ((34, 4128), (96, 4128), (1040, 96), (4096, 14336)), (1, 3, 8), op="gemv")
+os.environ.pop("KBIT_GEMV_PAIR")
 
 
 # stream-K of kbit::mma (KBIT_MMA_STREAMK=1, M = 17..64): CTAs whose runs cross n-tile groups, the
