@@ -27,8 +27,8 @@
 //    count +-1); each warp streams its run with kPrefetch tiles in registers and stores its
 //    per-n-tile sums in shared memory, which the epilogue adds in a fixed order: no atomics on
 //    data, the result is deterministic. Where n-tiles pair up without lengthening the busiest
-//    warp's run, a unit is two n-tiles at one k-tile (kDensePair): x is read from shared memory
-//    once for both.
+//    warp's run (k=2, M <= 4, make_plan), a unit is two n-tiles at one k-tile (kDensePair): x is
+//    read from shared memory once for both.
 //
 // Issue slots per tile and lane (64 weights), sm_90 SASS of the main loop, k=4: 32 LOP3/SHF/IMAD
 // (bit-plane transpose), 32 PRMT (table addresses), 32 LDS.32 (pairs), 4 LDS.128 (x), 8 HMMA,
@@ -831,16 +831,19 @@ struct Plan {
     int64_t xrow = 0, smem = 0;
 };
 
-// kNever: kDense / MoE; kAuto: kDensePair where make_plan's cost is lower (k=2); kAlways: wherever
-// n_tiles is even (KBIT_GEMV_PAIR=0 / 1 force the first / last for dense GEMVs).
+// kNever: kDense / MoE; kAuto: kDensePair where make_plan's cost is lower (k=2, M <= 4); kAlways:
+// wherever n_tiles is even (KBIT_GEMV_PAIR=0 / 1 force the first / last for dense GEMVs).
 enum class PairMode { kNever, kAuto, kAlways };
 
 // Time of a tile in kDensePair relative to kDense, plus a fixed price per call, in single-tile
 // times (H100, k=2, M = 1 / 4, benchmarks/results/probe_env_h100_s27_ptr.md): 0.93-0.98x on
 // 8B gate_up / down and 70B o / gate_up / down, where a warp has 14-56 tiles, but 1.00 / 1.05x on
-// 8B o, where it has 4 (the price keeps that one single). kAuto pairs k=2 only: at k=4 the pairs
-// took 0.98-1.04x (x is a smaller share of the loop's shared-memory reads), k=3 / 5 not measured.
+// 8B o, where it has 4 (the price keeps that one single). kAuto pairs k=2 at M <= 4 only: at k=4
+// the pairs took 0.98-1.04x (x is a smaller share of the loop's shared-memory reads), k=3 / 5 were
+// not measured, and at M = 8 70B gate_up took 1.12x, 8B down 1.02x
+// (benchmarks/results/probe_env_h100_s28_pair.md).
 constexpr double kPairTile = 0.95, kPairPrice = 0.5;
+constexpr int64_t kPairMaxM = 4;
 
 // Picks the K split, the table size and (pair_mode) single or paired n-tiles: minimise the tile
 // times of the busiest warp (+ a fixed price for split-K: workspace traffic, the counter memset
@@ -853,7 +856,8 @@ Plan make_plan(int64_t M, int64_t Mx, int64_t n_tiles, int64_t k_tiles, int64_t 
     double best_cost = 0.0;
     const int shifts5[2] = {7, 6};  // k = 5: 32 copies (128 KB), else 16 copies (64 KB)
     const bool can_pair = n_tiles % 2 == 0 && (pair_mode == PairMode::kAlways ||
-                                               (pair_mode == PairMode::kAuto && bits == 2));
+                                               (pair_mode == PairMode::kAuto && bits == 2 &&
+                                                M <= kPairMaxM));
     for (int pair = can_pair && pair_mode == PairMode::kAlways; pair <= int{can_pair}; ++pair) {
         const int64_t nu = pair ? 2 : 1;  // n-tiles per unit
         const int64_t n_units = n_tiles / nu;
