@@ -29,6 +29,8 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor
     // KBIT_GEMV_PAIR: 0 = single n-tiles only, 1 = paired wherever n_tiles is even (tuning and
     // test hook; default: the cost model's choice, see kDensePair in gemv.cuh)
     const int pair_env = env_int("KBIT_GEMV_PAIR", -1);
+    TORCH_CHECK(pair_env >= -1 && pair_env <= 1,
+                "kbit::gemv: KBIT_GEMV_PAIR must be 0 or 1 (unset: the cost model), got ", pair_env);
     const PairMode pair_mode = pair_env == 0   ? PairMode::kNever
                                : pair_env == 1 ? PairMode::kAlways
                                                : PairMode::kAuto;

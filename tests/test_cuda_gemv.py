@@ -192,7 +192,7 @@ def test_empty_batch() -> None:
 
 
 @pytest.mark.cxx_errors
-def test_bad_inputs_name_the_problem() -> None:
+def test_bad_inputs_name_the_problem(monkeypatch) -> None:
     n, k, bits = 40, 256, 4
     qt, at, cb = _weights(n, k, bits)
     x = _x(2, k, torch.float16)
@@ -210,3 +210,6 @@ def test_bad_inputs_name_the_problem() -> None:
         OPS.gemv(x, qt, at, cb, 6, n)
     with pytest.raises(RuntimeError, match="unit stride"):
         OPS.gemv(_x(k, 2, torch.float16).t(), qt, at, cb, bits, n)
+    monkeypatch.setenv("KBIT_GEMV_PAIR", "2")
+    with pytest.raises(RuntimeError, match="KBIT_GEMV_PAIR must be 0 or 1"):
+        OPS.gemv(x, qt, at, cb, bits, n)
