@@ -838,9 +838,10 @@ enum class PairMode { kNever, kAuto, kAlways };
 // Time of a tile in kDensePair relative to kDense, plus a fixed price per call, in single-tile
 // times (H100, k=2, M = 1 / 4, benchmarks/results/probe_env_h100_s27_ptr.md): 0.93-0.98x on
 // 8B gate_up / down and 70B o / gate_up / down, where a warp has 14-56 tiles, but 1.00 / 1.05x on
-// 8B o, where it has 4 (the price keeps that one single). kAuto pairs k=2 at M <= 4 only: at k=4
-// the pairs took 0.98-1.04x (x is a smaller share of the loop's shared-memory reads), k=3 / 5 were
-// not measured, and at M = 8 70B gate_up took 1.12x, 8B down 1.02x
+// 8B o, where it has 4 (the price keeps that one single). kAuto pairs k=2 at M <= 4 only: forced
+// on o / gate_up / down at M = 1 / 4 the pairs took 0.97-1.03x at k=3 and 1.02-1.08x at k=5
+// (benchmarks/results/probe_env_h100_s28_pair_k35.md), 0.98-1.04x at k=4 (x is a smaller share
+// of the loop's shared-memory reads), and at M = 8 70B gate_up took 1.12x, 8B down 1.02x
 // (benchmarks/results/probe_env_h100_s28_pair.md).
 constexpr double kPairTile = 0.95, kPairPrice = 0.5;
 constexpr int64_t kPairMaxM = 4;
