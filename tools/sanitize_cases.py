@@ -44,7 +44,7 @@ for bits in BITS:
 os.environ.pop("KBIT_FORCE_KERNEL", None)
 
 
-def check_mma(what: str, shapes: tuple, ms: tuple, op: str = "mma") -> None:
+def check_op(what: str, shapes: tuple, ms: tuple, op: str = "mma") -> None:
     """kbit::mma (or kbit::``op``), as the KBIT_* environment selects it, against x @ the
     dequantized W."""
     for bits in BITS:
@@ -62,25 +62,26 @@ def check_mma(what: str, shapes: tuple, ms: tuple, op: str = "mma") -> None:
                     assert err < 2e-2, f"{what} bits={bits} n={n} k={k} m={m} {dtype}: rel err {err}"
 
 
-# the GEMV with units of two n-tiles (KBIT_GEMV_PAIR=1: wherever n_tiles is even; by default k=2 on
-# large layers): one pair, 3 pairs with split-K (M=8), runs across pairs, odd n_tiles (single)
+# the GEMV with units of two n-tiles (KBIT_GEMV_PAIR=1: wherever n_tiles is even; by default k=2,
+# M <= 4, large layers): one pair, 3 pairs (split-K: too few units for the SMs), runs across pairs,
+# odd n_tiles (single), x too large for one CTA at M=8 (split-K)
 os.environ["KBIT_GEMV_PAIR"] = "1"
-check_mma("gemv pairs", ((34, 4128), (96, 4128), (1040, 96), (4096, 14336)), (1, 3, 8), op="gemv")
+check_op("gemv pairs", ((34, 4128), (96, 4128), (1040, 96), (4096, 14336)), (1, 3, 8), op="gemv")
 os.environ.pop("KBIT_GEMV_PAIR")
 
 
 # stream-K of kbit::mma (KBIT_MMA_STREAMK=1, M = 17..64): CTAs whose runs cross n-tile groups, the
 # partial tiles and flags between them, a last group of 3 n-tiles, a K tail
 os.environ["KBIT_MMA_STREAMK"] = "1"
-check_mma("stream-K", ((4144, 1024), (1000, 4128)), (17, 64))
+check_op("stream-K", ((4144, 1024), (1000, 4128)), (17, 64))
 os.environ.pop("KBIT_MMA_STREAMK")
 
 # the 64-token mma.sync kernel with 4 n-tiles per warp (KBIT_MMA_NT=4: 512-row CTAs, the default on
 # big layers): a partial last 512-row group, K tails; its split-K (by shape) and stream-K
 os.environ.update({"KBIT_MMA_NT": "4", "KBIT_MMA_WGMMA": "0"})
-check_mma("NT=4", ((520, 1056), (1000, 4128)), (33, 64))
+check_op("NT=4", ((520, 1056), (1000, 4128)), (33, 64))
 os.environ["KBIT_MMA_STREAMK"] = "1"
-check_mma("NT=4 stream-K", ((1040, 2080),), (64,))
+check_op("NT=4 stream-K", ((1040, 2080),), (64,))
 for var in ("KBIT_MMA_NT", "KBIT_MMA_WGMMA", "KBIT_MMA_STREAMK"):
     os.environ.pop(var)
 
@@ -90,7 +91,7 @@ from vllm_kbit import _C
 
 if getattr(_C, "sm90a", 0) == 1 and torch.cuda.get_device_capability() == (9, 0):
     os.environ["KBIT_MMA_WGMMA"] = "1"
-    check_mma("wgmma", ((17, 4128), (1000, 96)), (40, 300))
+    check_op("wgmma", ((17, 4128), (1000, 96)), (40, 300))
     os.environ.pop("KBIT_MMA_WGMMA")
 
     # the warp-specialized kernel (KBIT_MMA_WGMMA=2, csrc/wgmma_gemm.cu): every configuration
