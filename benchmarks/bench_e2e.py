@@ -138,8 +138,24 @@ def method_env(
     return env
 
 
+def parse_cpus(spec: str) -> list[int]:
+    """``--cpus`` "0-3,8" -> [0, 1, 2, 3, 8]."""
+    cpus: set[int] = set()
+    try:
+        for part in spec.split(","):
+            lo, _, hi = part.partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise ValueError(f"--cpus takes CPU numbers and ranges like 0-3,8, got {spec!r}") from None
+    if not cpus or min(cpus) < 0:
+        raise ValueError(f"--cpus takes CPU numbers and ranges like 0-3,8, got {spec!r}")
+    return sorted(cpus)
+
+
 def worker(args: argparse.Namespace) -> None:
     """Runs inside the subprocess: one method, all batch sizes; prints one JSON line each."""
+    if args.cpus:  # before vLLM starts: its engine processes inherit the affinity
+        os.sched_setaffinity(0, parse_cpus(args.cpus))
     from vllm import LLM, SamplingParams
 
     kw = dict(model=args.model, load_format="dummy", skip_tokenizer_init=True, seed=0,
@@ -308,6 +324,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--layers", type=int,
                    help="override num_hidden_layers (e.g. 1: the per-step cost outside the "
                         "decoder layers: host, embedding, lm_head, sampling)")  # fmt: skip
+    p.add_argument("--cpus", help="run every method's process and vLLM's engine processes on "
+                                  "these CPUs only, e.g. 0-7 (default: all)")  # fmt: skip
     p.add_argument("--out-dir", default=str(HERE / "results"))
     p.add_argument("--tag", default="", help="suffix of the output file names")
     p.add_argument("--timeout", type=int, default=420, help="seconds per method")
@@ -320,6 +338,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.batch = [int(b) for b in str(args.batch).split(",")]
+    if args.cpus:
+        parse_cpus(args.cpus)  # a typo fails here, not in every worker
     if args.worker:
         args.method = args.worker
         return worker(args)
@@ -346,7 +366,8 @@ def main(argv: list[str] | None = None) -> None:
                              "input_len": args.input_len, "output_len": args.output_len,
                              "repeats": args.repeats, "dtype": args.dtype,
                              "model_desc": (args.config or SHAPES[args.shape][1]) +
-                                           (f", {args.layers} layer(s)" if args.layers else "")}  # fmt: skip
+                                           (f", {args.layers} layer(s)" if args.layers else ""),
+                             "cpus": args.cpus or "all"}  # fmt: skip
         baseline = next((m for m in methods if not m.startswith("kbit")), "fp16")
         res = {"meta": meta, "methods": [], "baseline": baseline, "results": [], "failed": {}}
     res["methods"] = list(dict.fromkeys(res["methods"] + methods))
@@ -366,7 +387,8 @@ def main(argv: list[str] | None = None) -> None:
                ",".join(map(str, todo)), "--input-len", str(args.input_len), "--output-len",
                str(args.output_len), "--repeats", str(args.repeats), "--dtype",
                args.dtype,
-               "--gpu-mem", str(args.gpu_mem)] + (["--eager"] if args.eager else [])  # fmt: skip
+               "--gpu-mem", str(args.gpu_mem)] + (["--eager"] if args.eager else []) + (
+               ["--cpus", args.cpus] if args.cpus else [])  # fmt: skip
         if args.profile:
             pdir = Path("/tmp/kbit-e2e/profile") / m
             shutil.rmtree(pdir, ignore_errors=True)

@@ -628,3 +628,16 @@ def test_bench_e2e_model_dir_layers(tmp_path: Path) -> None:
         k: v for k, v in full.items() if k != "num_hidden_layers"}  # fmt: skip
     with pytest.raises(ValueError, match="--layers must be >= 1"):
         bench_e2e.model_dir(None, tmp_path / "c", layers=0)
+
+
+def test_bench_e2e_cpus() -> None:
+    # --cpus: the CPUs every worker (and vLLM's engine processes, which inherit it) is pinned to
+    import bench_e2e
+
+    assert bench_e2e.parse_cpus("0-3,8") == [0, 1, 2, 3, 8]
+    assert bench_e2e.parse_cpus("5") == [5]
+    for bad in ("", "a", "3-x", "-1", "0-3,,4"):
+        with pytest.raises(ValueError, match="--cpus takes CPU numbers"):
+            bench_e2e.parse_cpus(bad)
+    with pytest.raises(ValueError, match="--cpus"):  # before any worker starts
+        bench_e2e.main(["--methods", "fp16", "--cpus", "0-x"])
