@@ -151,7 +151,7 @@ def test_bench_e2e_worker_profiles_each_batch(monkeypatch, capsys, tmp_path: Pat
     monkeypatch.setattr(bench_e2e.os, "_exit", _exit)
     args = argparse.Namespace(model="m", dtype="bfloat16", input_len=8, output_len=4, batch=[2, 4],
                               gpu_mem=0.5, eager=False, method="kbit4", repeats=1,
-                              profile_dir=str(tmp_path))  # fmt: skip
+                              profile_dir=str(tmp_path), cpus=None)  # fmt: skip
     with pytest.raises(SystemExit):
         bench_e2e.worker(args)
     kw = _FakeLLM.calls[0][1]
