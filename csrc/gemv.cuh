@@ -695,13 +695,22 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_kernel(const Params p, const
     float* part = part_s + warp * 2 * kRows * p.M;
     int left = k_len - u0 % k_len;  // k-tiles left in this n-tile
     bool whole = left == k_len;     // the segment started at k-tile 0
-    // The segment ends: its sums leave the registers.
-    auto segment_end = [&](bool tile_end) {
-        float* dst = tile_end && whole ? acc_tile : part;
-        store_sums(acc, dst, g, t, p.M);
-        if constexpr (kPair) store_sums(acc2, dst + kTileN * p.M, g, t, p.M);
-        part = part_s + (warp * 2 + 1) * kRows * p.M;
-        whole = true;
+    // After unit u's MMAs: where its n-tile (pair) or the warp's run ends, the segment's sums leave
+    // the registers; x and the sums move on to the next unit.
+    auto unit_done = [&](int u) {
+        const bool tile_end = --left == 0;
+        if (tile_end || u + 1 == u1) {
+            float* dst = tile_end && whole ? acc_tile : part;
+            store_sums(acc, dst, g, t, p.M);
+            if constexpr (kPair) store_sums(acc2, dst + kTileN * p.M, g, t, p.M);
+            part = part_s + (warp * 2 + 1) * kRows * p.M;
+            whole = true;
+        }
+        if constexpr (!kMoe) xs += kTileK * 2;
+        if (tile_end) {
+            left = k_len, acc_tile += kRows * p.M;
+            if constexpr (!kMoe) xs = xs0;
+        }
     };
     // kDensePair, unit u: tile A (slot 0) reads x from shared memory and keeps it for tile B
     // (slot 1); each slot is refilled right after its MMA, as in the single-tile round below.
@@ -714,10 +723,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_kernel(const Params p, const
                 buf[1] = ts.load(pair_q, pair_a);
                 ts.next();
             }
-            const bool tile_end = --left == 0;
-            if (tile_end || u + 1 == u1) segment_end(tile_end);
-            xs += kTileK * 2;
-            if (tile_end) left = k_len, acc_tile += kRows * p.M, xs = xs0;
+            unit_done(u);
         }
     };
     // Tile u (ring slot i = (u - u0) % D): its MMA, the slot's refill with tile u + D, the sums.
@@ -733,13 +739,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_kernel(const Params p, const
             buf[i] = ts.load();
             ts.next();
         }
-        const bool tile_end = --left == 0;
-        if (tile_end || u + 1 == u1) segment_end(tile_end);
-        if constexpr (!kMoe) xs += kTileK * 2;
-        if (tile_end) {
-            left = k_len, acc_tile += kTileN * p.M;
-            if constexpr (!kMoe) xs = xs0;
-        }
+        unit_done(u);
     };
     // Whole rounds of D tiles first, with no per-tile "tile exists" branch. ptxas puts every
     // weight load on one scoreboard, and the first use of a tile waits until that scoreboard is
