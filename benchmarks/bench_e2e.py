@@ -141,14 +141,12 @@ def method_env(
 def parse_cpus(spec: str) -> list[int]:
     """``--cpus`` "0-3,8" -> [0, 1, 2, 3, 8]."""
     cpus: set[int] = set()
-    try:
-        for part in spec.split(","):
-            lo, _, hi = part.partition("-")
-            cpus.update(range(int(lo), int(hi or lo) + 1))
-    except ValueError:
-        raise ValueError(f"--cpus takes CPU numbers and ranges like 0-3,8, got {spec!r}") from None
-    if not cpus or min(cpus) < 0:
-        raise ValueError(f"--cpus takes CPU numbers and ranges like 0-3,8, got {spec!r}")
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        hi = hi or lo
+        if not (lo.isdigit() and hi.isdigit() and int(lo) <= int(hi)):  # "", "a", "-1", "5-3"
+            raise ValueError(f"--cpus takes CPU numbers and ranges like 0-3,8, got {spec!r}")
+        cpus.update(range(int(lo), int(hi) + 1))
     return sorted(cpus)
 
 
@@ -338,11 +336,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.batch = [int(b) for b in str(args.batch).split(",")]
-    if args.cpus:
-        parse_cpus(args.cpus)  # a typo fails here, not in every worker
     if args.worker:
         args.method = args.worker
         return worker(args)
+    if args.cpus:
+        parse_cpus(args.cpus)  # a typo fails here, not in every worker
 
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
