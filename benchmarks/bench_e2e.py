@@ -16,9 +16,10 @@ profiler (``profiler_config``) and a table of where the GPU time per output toke
 (``trace_summary.py``: kernel families, top kernels, GPU idle share) in ``bench_e2e{tag}_profile.md``.
 
 A method is ``kbitK`` (online k-bit), ``kbitKlm`` (the same with the lm_head quantized too,
-config key ``quantize_lm_head``), either of them + ``pdl`` (run with ``KBIT_PDL=1``: the GEMV
-uses programmatic dependent launch; no other method sees that variable) or anything else (the
-unquantized model in ``--dtype``); the first unquantized method is the baseline of the table.
+config key ``quantize_lm_head``), either of them + ``pdl`` (run with ``KBIT_PDL=1`` set; the
+other methods run with KBIT_PDL unset, i.e. the kernels' default, programmatic dependent launch
+on since session 29: compare with it off through ``--variant off:KBIT_PDL=0``) or anything else
+(the unquantized model in ``--dtype``); the first unquantized method is the baseline of the table.
 Any method + ``@NAME`` runs with the build in ``.ab/NAME`` (tools/ab_base.sh: another git ref),
 e.g. ``--methods bf16,kbit4@base,kbit4`` times main's build against the checkout's in one run.
 Any method + ``+NAME`` runs with the settings of ``--variant NAME:KBIT_VAR=VALUE,...`` (tuning
@@ -113,9 +114,9 @@ def kbit_config(method: str) -> dict:
 def method_env(
     method: str, ab_root: Path = HERE.parent / ".ab", variants: dict[str, dict[str, str]] | None = None
 ) -> dict[str, str]:
-    """Environment of a method's worker: ``...pdl`` methods launch the GEMV with programmatic
-    dependent launch (``KBIT_PDL=1``), every other method without it. ``METHOD@NAME`` imports
-    vllm_kbit from ``.ab/NAME`` (a build of another git ref, tools/ab_base.sh; prepended to
+    """Environment of a method's worker: ``...pdl`` methods run with ``KBIT_PDL=1`` set, every
+    other method with KBIT_PDL unset (the kernels' default) unless a variant sets it.
+    ``METHOD@NAME`` imports vllm_kbit from ``.ab/NAME`` (a build of another git ref, tools/ab_base.sh; prepended to
     PYTHONPATH, which vLLM's engine process inherits): end-to-end A/B of two builds in one run.
     ``METHOD+NAME`` sets the variables of ``variants[NAME]``; a variable of any variant is
     removed from every other method's environment."""

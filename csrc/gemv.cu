@@ -58,12 +58,9 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor
               (M == 1 || x.stride(0) % 8 == 0);
     at::Tensor ws, arrived;
     apply_plan(p, plan, x, ws, arrived);
-    // sm_90, opt-in (KBIT_PDL=1): programmatic dependent launch, so that the table fill and the
-    // first weight loads overlap the previous kernel's tail (see pdl_wait). Measured on H100: a
-    // chain of GEMVs gets ~9% faster (8B layer, M=1, k=4), but vLLM decode of an 8B model is not
-    // (one run: kbit4 batch 1 300 vs 303 tok/s, benchmarks/results/bench_e2e_h100_s9.md): there
-    // the GEMV follows vLLM's kernels, which do not trigger early. Off by default.
-    static const bool pdl = env_int("KBIT_PDL", 0) != 0;
+    // sm_90: programmatic dependent launch (pdl_requested, KBIT_PDL=0 turns it off), so that the
+    // table fill and the first weight loads overlap the previous kernel's tail (see pdl_wait).
+    const bool pdl = pdl_requested();
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
     const bool half = x.scalar_type() == at::kHalf;
     if (plan.pair && half)

@@ -92,6 +92,16 @@ inline int env_int(const char* name, int fallback) {  // test and tuning hooks (
     return v && *v ? std::atoi(v) : fallback;
 }
 
+// Launch the dense GEMV and GEMM kernels (gemv.cu, mma.cu, wgmma_gemm.cu) with programmatic
+// dependent launch: each copies constant data (table, first weights) before pdl_wait(), so that
+// copy overlaps the previous kernel's drain and launch. H100, chains of one op over the 8B layers
+// (benchmarks/results/probe_env_h100_s29_pdl.md): 0.88-0.95x the time at M=1, 0.90-0.97x at M =
+// 16 / 32, 0.95-1.00x at M=64; vLLM batch 64, kbit4: +1.2 to +4.3% output tok/s in three
+// same-machine pairs (bench_e2e_h100_s29_pdl*.md); batch 1 unchanged (bound by vLLM's host
+// time per step). KBIT_PDL=0 turns it off (read per call, as kbit::mma's other KBIT_* switches);
+// each launch also needs pdl_supported().
+inline bool pdl_requested() { return env_int("KBIT_PDL", 1) != 0; }
+
 // cudaLaunchKernelEx with an optional thread-block cluster (along y) and the programmatic
 // dependent launch attribute (only for kernels whose pdl_supported() is true).
 template <typename Kernel, typename... Args>

@@ -71,6 +71,7 @@ struct Params {
     int* flags;            // kStream: per CTA, "partial tile written" (0 between launches)
     int M, n, K, n_tiles, k_tiles, kchunk, splits, stages, mode, copies_log2;
     int ring_off;          // smem bytes before the ring: table + 64 (the table is 64-aligned)
+    int pdl;               // launched with programmatic dependent launch (see the prologue)
 };
 
 // ------------------------------------------------------------------------- stream-K helpers
@@ -191,7 +192,21 @@ __global__ void __launch_bounds__(kThreads, mma_ctas_per_sm(TM, NT)) mma_kernel(
     seek(l_seg.group, l_kt);
     int load_slot = 0;
 
-    auto load_next = [&]() {  // the next k-tile of this CTA into the next ring slot
+    // This thread's x chunks of the k-tile at column xk (source row pointer src) into stage st.
+    auto load_x = [&](uint32_t st, const uint8_t* src, int xk) {
+#pragma unroll
+        for (int j = 0; j < (TM * 16 + kThreads - 1) / kThreads; ++j) {
+            if (TM * 16 >= kThreads || tid < TM * 16) {
+                const bool ok = xk < p.K && m0 + x_row + 16 * j < p.M;
+                const int tok = x_row + 16 * j;
+                cp_async16(st + L::kW + L::kA +
+                               (WG ? wg_x_offset(tok, x_chunk) : tok * kXRow + x_col * 2),
+                           ok ? src + j * 16 * p.ldx_bytes : p.x, ok);
+            }
+        }
+    };
+    // The next k-tile of this CTA into the next ring slot; with_x = false leaves its x to load_x.
+    auto load_next = [&](bool with_x) {
         const uint32_t st = s_base + p.ring_off + load_slot * L::kStage;
 #pragma unroll
         for (int h = 0; h < kWH; ++h)
@@ -200,16 +215,7 @@ __global__ void __launch_bounds__(kThreads, mma_ctas_per_sm(TM, NT)) mma_kernel(
                 cp_async16(st + (w_tile + 16 * h) * (BITS * 256) + (tid & 15) * 16 + j * 256,
                            w_next[h] + j * 256, w_ok[h]);
         if (tid < kGT * 4) cp_async16(st + L::kW + tid * 16, a_next, a_ok);
-#pragma unroll
-        for (int j = 0; j < (TM * 16 + kThreads - 1) / kThreads; ++j) {
-            if (TM * 16 >= kThreads || tid < TM * 16) {
-                const bool ok = x_k < p.K && m0 + x_row + 16 * j < p.M;
-                const int tok = x_row + 16 * j;
-                cp_async16(st + L::kW + L::kA +
-                               (WG ? wg_x_offset(tok, x_chunk) : tok * kXRow + x_col * 2),
-                           ok ? x_next + j * 16 * p.ldx_bytes : p.x, ok);
-            }
-        }
+        if (with_x) load_x(st, x_next, x_k);
 #pragma unroll
         for (int h = 0; h < kWH; ++h) w_next[h] += BITS * 256;
         a_next += 64, x_next += kTileK * 2, x_k += kTileK;
@@ -223,16 +229,33 @@ __global__ void __launch_bounds__(kThreads, mma_ctas_per_sm(TM, NT)) mma_kernel(
         }
     };
 
-    // Prologue first, so that building the table overlaps the first loads' latency.
-    for (int s = 0; s < p.stages - 1; ++s) {
-        if (s < nk) load_next();
-        cp_async_commit();
+    // Prologue first, so that building the table overlaps the first loads' latency. With PDL
+    // (p.pdl) this kernel may start while the previous one drains: only the first stage's
+    // weights and the table (constant data) come before pdl_wait(), its x (the previous
+    // kernel's output) and the other stages after it (x queued behind several stages' weights
+    // would land later), and every global write of this kernel follows it.
+    const bool pdl = p.pdl != 0;
+    for (int s = 0; s < (pdl ? 1 : p.stages - 1); ++s) {
+        if (s < nk) load_next(!pdl);
+        if (!pdl) cp_async_commit();
     }
     if (tid < (1 << BITS)) cbh[tid] = scaled_code<BF16>(cb_value(p.cb, tid));
     __syncthreads();
     const uint32_t tbl_base = (s_base + 63u) & ~63u;  // < s_base + 64
     // T[idx] = (cb[lo], cb[hi]) 2^S; visible after the main loop's first barrier.
     build_pair_table<BITS>(smem + (tbl_base - s_base), cbh, p.copies_log2, tid, kThreads);
+    if (pdl) {
+        pdl_wait();
+        if (nk > 0) {  // stage 0 = the first k-tile of the CTA's first segment
+            const int xk = sk::first_segment(u0, u1, kt_n).lo * kTileK + x_col;
+            load_x(s_base + p.ring_off, x_row_ptr + xk * 2, xk);
+        }
+        cp_async_commit();  // with stage 0's weights
+        for (int s = 1; s < p.stages - 1; ++s) {
+            if (s < nk) load_next(true);
+            cp_async_commit();
+        }
+    }
 
     const uint32_t tbl_lane = tbl_base + (lane & ((1 << p.copies_log2) - 1)) * 4;  // own copy
     const uint32_t stride = 4u << p.copies_log2;
@@ -314,7 +337,7 @@ __global__ void __launch_bounds__(kThreads, mma_ctas_per_sm(TM, NT)) mma_kernel(
         else cp_async_wait<0>();
         if constexpr (WG) fence_proxy_async();
         __syncthreads();
-        if (it + p.stages - 1 < nk) load_next();  // into slot (it - 1) % stages
+        if (it + p.stages - 1 < nk) load_next(true);  // into slot (it - 1) % stages
         cp_async_commit();  // possibly empty: keeps the group count uniform
         const int stage = p.ring_off + slot * L::kStage;
         if constexpr (WG)  // every warp: wgmma is warpgroup-wide (tiles past n are zeros)
@@ -329,10 +352,11 @@ __global__ void __launch_bounds__(kThreads, mma_ctas_per_sm(TM, NT)) mma_kernel(
         if constexpr (SK)
             if (--c_left == 0) segment_done();
     }
+    // The next kernel, if launched with PDL (kWorkspace: the reduce kernel; with p.pdl also the
+    // next GEMM), may be scheduled now; it waits in pdl_wait() for this grid's writes, so its
+    // launch and prologue overlap our epilogue.
+    if (p.pdl || p.mode == kWorkspace) pdl_trigger();
     if constexpr (SK) return;
-    // kWorkspace: the reduce kernel (launched with PDL) may be scheduled now; it waits in
-    // pdl_wait() for this grid's partials, so its launch overlaps our epilogue.
-    if (p.mode == kWorkspace) pdl_trigger();
     cp_async_wait<0>();
     __syncthreads();  // the ring and the table are dead: reuse them for the output tile
 
@@ -484,14 +508,18 @@ void run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& absma
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
     if constexpr (kStreamBuilt) {
         if (mode == kStream) {
+            static const bool pdl_ok = pdl_supported(mma_kernel<BITS, TM, BF16, WG, true, NT>);
+            p.pdl = pdl_requested() && pdl_ok;
             p.flags = stream_flags(x.get_device(), stream);
             launch_kernel(mma_kernel<BITS, TM, BF16, WG, true, NT>,
-                          dim3(static_cast<unsigned>(grid)), kThreads, c.smem, stream, 1, false, p);
+                          dim3(static_cast<unsigned>(grid)), kThreads, c.smem, stream, 1, p.pdl, p);
             return;
         }
     }
+    static const bool pdl_ok = pdl_supported(mma_kernel<BITS, TM, BF16, WG, false, NT>);
+    p.pdl = pdl_requested() && pdl_ok;
     launch_kernel(mma_kernel<BITS, TM, BF16, WG, false, NT>, dim3(n_groups, splits, m_tiles),
-                  kThreads, c.smem, stream, mode == kCluster ? splits : 1, false, p);
+                  kThreads, c.smem, stream, mode == kCluster ? splits : 1, p.pdl, p);
     if (mode == kWorkspace)
         launch_splitk_reduce<BF16>(ws.data_ptr<float>(), y.data_ptr(), int64_t{M} * s.n, splits,
                                    c.sms, c.sm90, stream);

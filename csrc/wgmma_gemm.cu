@@ -39,10 +39,11 @@ void run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& absma
     p.kchunk = kchunk, p.splits = splits, p.stages = c.stages, p.mode = mode;
     p.copies_log2 = c.copies_log2, p.table_bytes = c.table_bytes;
 
+    p.pdl = pdl_requested();  // sm_90a code: griddepcontrol is there
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
     launch_kernel(wgmma_gemm_kernel<BITS, RWG, TN, BF16, kDense, AB>,
                   dim3(n_groups, splits, m_tiles), wg::kThreads, c.smem, stream,
-                  mode == kCluster ? splits : 1, false, p, WgMoe{});
+                  mode == kCluster ? splits : 1, p.pdl != 0, p, WgMoe{});
     if (mode == kWorkspace)  // sm_90a only: PDL is there
         launch_splitk_reduce<BF16>(ws.data_ptr<float>(), y.data_ptr(), int64_t{M} * s.n, splits,
                                    c.sms, true, stream);

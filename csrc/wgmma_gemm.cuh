@@ -74,6 +74,7 @@ struct WgParams {
     void* y;            // [M, n]
     float* ws;          // [splits, M, n] (kWorkspace)
     int M, n, K, n_tiles, k_tiles, kchunk, splits, stages, mode, copies_log2, table_bytes;
+    int pdl;            // dense: launched with programmatic dependent launch (see produce)
 };
 
 // Grouped MoE launches (GM != kDense). A second kernel parameter rather than more WgParams
@@ -129,16 +130,19 @@ __device__ __forceinline__ void produce(const WgParams& p, const void* xmap, con
     const uint8_t* src = (GM == kDense ? (kind == wg::kPlanesCopy ? p.qw : p.am)
                                        : (kind == wg::kPlanesCopy ? qw : am)) + tk * bytes;
     if (lane == 0) wg::prefetch_tensormap(x_rows < TN ? xmap_q : xmap);
-#pragma unroll 1
-    for (int it = 0; it < kr.count; ++it) {
-        const int slot = wg::ring_slot(it, p.stages), kt = kr.begin + it;
-        const uint32_t full = full0 + 8 * slot, st = ring + slot * L::kBytes;
-        wg::mbar_wait(empty0 + 8 * slot, wg::empty_parity(it, p.stages), 0, it);
-        // Arm first (arrive + expect_tx in one), then copy: the phase cannot complete before
-        // every byte counted here has landed.
+    // Arms k-tile `it`'s full barrier (arrive + expect_tx in one, so the phase cannot complete
+    // before every byte counted here has landed) and copies its weights; x_tile its x boxes.
+    auto weights = [&](int it) {
+        const int slot = wg::ring_slot(it, p.stages);
+        const uint32_t full = full0 + 8 * slot;
         if (lane == 0) wg::mbar_arrive_expect_tx(full, wg::stage_tx_bytes<BITS, RWG, TN>(live, x_rows));
         __syncwarp();
-        if (active) wg::bulk_g2s(st + dst, src, bytes, full);
+        if (active) wg::bulk_g2s(ring + slot * L::kBytes + dst, src, bytes, full);
+        src += bytes;
+    };
+    auto x_tile = [&](int it) {
+        const int slot = wg::ring_slot(it, p.stages), kt = kr.begin + it;
+        const uint32_t full = full0 + 8 * slot, st = ring + slot * L::kBytes;
         if (lane == 0) {
             if (x_rows == TN) {
                 wg::tma_load_2d(st, xmap, wg::x_box_col(kt, 0, p.K), m0, full);
@@ -151,7 +155,24 @@ __device__ __forceinline__ void produce(const WgParams& p, const void* xmap, con
                 }
             }
         }
-        src += bytes;
+    };
+    // PDL (dense, p.pdl): this grid may start while the previous kernel drains. The first
+    // k-tile's weights (constant data) are copied at once (its slot is free), its x, the previous
+    // kernel's output, only after pdl_wait(); then the loop as usual (x queued behind several
+    // stages' weights would land later). The consumers' global writes follow the x they read.
+    int pre = 0;
+    if (GM == kDense && p.pdl && kr.count > 0) {
+        pre = 1;
+        weights(0);
+        pdl_wait();
+        x_tile(0);
+    }
+#pragma unroll 1
+    for (int it = pre; it < kr.count; ++it) {
+        const int slot = wg::ring_slot(it, p.stages);
+        wg::mbar_wait(empty0 + 8 * slot, wg::empty_parity(it, p.stages), 0, it);
+        weights(it);
+        x_tile(it);
     }
 }
 #endif
@@ -421,7 +442,7 @@ __global__ void __launch_bounds__(wg::kThreads, 1)
         for (int v = 0; v < TN / 2; ++v) wg::pin(acc[b][v]);
     // kWorkspace: the reduce kernel (launched with PDL) may be scheduled now (the producer warps
     // have exited); it waits in pdl_wait() for this grid's partials.
-    if (GM == kDense && p.mode == kWorkspace) pdl_trigger();
+    if (GM == kDense && (p.mode == kWorkspace || p.pdl)) pdl_trigger();
 
     // ----------------------------------------------------------------------------- epilogue
     // Both consumer warpgroups are past their last wgmma (whose completion also orders its

@@ -184,6 +184,40 @@ def test_cuda_graph_replay_equals_eager(case) -> None:
         assert torch.equal(y, OPS.gemv(x, qt, at, cb, bits, n))
 
 
+@pytest.mark.parametrize("m", [1, 4, 8])
+@pytest.mark.parametrize("pair", ["0", "1"])
+def test_pdl_chain(monkeypatch, m: int, pair: str) -> None:
+    # KBIT_PDL=1 (sm_90): each GEMV of a chain x <- gemv(x) may start its table fill and first
+    # weight loads while the one before drains, reading x only after griddepcontrol.wait: the same
+    # bits as plain stream order, eagerly and under graph replay. M=8: split-K (atomics + arrival
+    # counters). Weights of 2^-6 keep the chain's values in range.
+    monkeypatch.setenv("KBIT_GEMV_PAIR", pair)
+    n = k = 4096
+    qt, at, cb = _weights(n, k, 2, scale=2**-6)
+
+    def chain(x: torch.Tensor) -> torch.Tensor:
+        for _ in range(4):
+            x = OPS.gemv(x, qt, at, cb, 2, n)
+        return x
+
+    x = _x(m, k, torch.float16)
+    monkeypatch.setenv("KBIT_PDL", "0")
+    want = chain(x)
+    assert bool(torch.isfinite(want).all()) and want.abs().max() > 1e-2
+    monkeypatch.setenv("KBIT_PDL", "1")
+    assert torch.equal(chain(x), want)
+    static_x = x.clone()
+    graph, static_y = capture(lambda: chain(static_x), warmups=1)
+    for seed in (1, 2):
+        x2 = _x(m, k, torch.float16, seed=seed)
+        static_x.copy_(x2)
+        graph.replay()
+        torch.cuda.synchronize()
+        monkeypatch.setenv("KBIT_PDL", "0")
+        assert torch.equal(static_y, chain(x2))
+        monkeypatch.setenv("KBIT_PDL", "1")
+
+
 def test_empty_batch() -> None:
     qt, at, cb = _weights(40, 256, 4)
     for dtype in DTYPES:

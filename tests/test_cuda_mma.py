@@ -110,6 +110,7 @@ def _wgmma_env(monkeypatch, wg: str) -> None:
         "KBIT_MMA_STREAMK",
         "KBIT_MMA_NT",
         "KBIT_MMA_NO_PDL",
+        "KBIT_PDL",
         "KBIT_WG_ABUFS",
     ):
         monkeypatch.delenv(var, raising=False)
@@ -359,6 +360,52 @@ def test_workspace_reduce_pdl(
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(static_y, _mma(x2, qt, at, cb, bits, n))
+
+
+_PDL_REDUCTIONS = {
+    "direct": {"KBIT_MMA_SPLITS": "1"},
+    "cluster": {"KBIT_MMA_SPLITS": "4", "KBIT_MMA_FORCE_CLUSTER": "1", "KBIT_MMA_STREAMK": "0"},
+    "workspace": {"KBIT_MMA_SPLITS": "4", "KBIT_MMA_NO_CLUSTER": "1", "KBIT_MMA_STREAMK": "0"},
+    "stream": {"KBIT_MMA_STREAMK": "1"},
+}
+
+
+@pytest.mark.parametrize("wg", ["0", pytest.param("2", marks=wgmma)])
+@pytest.mark.parametrize("reduction", sorted(_PDL_REDUCTIONS))
+@pytest.mark.parametrize("m", [16, 64, 100])
+def test_pdl_chain(monkeypatch, m: int, reduction: str, wg: str) -> None:
+    # KBIT_PDL=1: each GEMM of a chain x <- mma(x) may start while the one before drains and reads
+    # its x only after griddepcontrol.wait: the same bits as plain stream order, eagerly and under
+    # graph replay (where the launches become programmatic graph edges). Weights of ~2^-5.5 keep
+    # the chain's values in range. (Stream-K runs for M = 17..64 only; M=100 falls back.)
+    _wgmma_env(monkeypatch, wg)
+    for var, val in _PDL_REDUCTIONS[reduction].items():
+        monkeypatch.setenv(var, val)
+    n = k = 2048
+    bits = 4
+    qt, at, cb, _ = _quantized(n, k, bits, scale_exp=(-6.0, -5.0))
+
+    def chain(x: torch.Tensor) -> torch.Tensor:
+        for _ in range(4):
+            x = _mma(x, qt, at, cb, bits, n)
+        return x
+
+    x = _x(m, k, torch.float16, seed=m)
+    monkeypatch.setenv("KBIT_PDL", "0")
+    want = chain(x)
+    assert bool(torch.isfinite(want).all()) and want.abs().max() > 1e-2
+    monkeypatch.setenv("KBIT_PDL", "1")
+    assert torch.equal(chain(x), want)
+    static_x = x.clone()
+    graph, static_y = capture(lambda: chain(static_x))
+    for seed in [1, 2]:
+        x2 = _x(m, k, torch.float16, seed=seed)
+        static_x.copy_(x2)
+        graph.replay()
+        torch.cuda.synchronize()
+        monkeypatch.setenv("KBIT_PDL", "0")
+        assert torch.equal(static_y, chain(x2))
+        monkeypatch.setenv("KBIT_PDL", "1")
 
 
 @pytest.mark.cxx_errors

@@ -85,10 +85,23 @@ check_op("NT=4 stream-K", ((1040, 2080),), (64,))
 for var in ("KBIT_MMA_NT", "KBIT_MMA_WGMMA", "KBIT_MMA_STREAMK"):
     os.environ.pop(var)
 
-# the wgmma variant of kbit::mma (KBIT_MMA_WGMMA=1 takes it for M > 32 on sm_90a builds): both
-# tile widths (M 64 -> TM 64, M 300 -> TM 128), a tail in N and K, every k in BITS
+# programmatic dependent launch (KBIT_PDL=1, sm_90): the GEMV, the mma.sync kernel (direct,
+# split-K, stream-K) and the warp-specialized kernel copy their first weights before pdl_wait()
 from vllm_kbit import _C
 
+os.environ["KBIT_PDL"] = "1"
+check_op("PDL", ((17, 4128), (1000, 96), (4144, 1024)), (1, 17, 64), op="linear")
+os.environ["KBIT_MMA_STREAMK"] = "1"
+check_op("PDL stream-K", ((4144, 1024),), (17, 64))
+os.environ.pop("KBIT_MMA_STREAMK")
+if getattr(_C, "sm90a", 0) == 1 and torch.cuda.get_device_capability() == (9, 0):
+    os.environ["KBIT_MMA_WGMMA"] = "2"
+    check_op("PDL wgmma_gemm", ((17, 4128), (1000, 96)), (40, 64, 200))
+    os.environ.pop("KBIT_MMA_WGMMA")
+os.environ.pop("KBIT_PDL")
+
+# the wgmma variant of kbit::mma (KBIT_MMA_WGMMA=1 takes it for M > 32 on sm_90a builds): both
+# tile widths (M 64 -> TM 64, M 300 -> TM 128), a tail in N and K, every k in BITS
 if getattr(_C, "sm90a", 0) == 1 and torch.cuda.get_device_capability() == (9, 0):
     os.environ["KBIT_MMA_WGMMA"] = "1"
     check_op("wgmma", ((17, 4128), (1000, 96)), (40, 300))
