@@ -13,7 +13,7 @@ import functools
 
 import pytest
 import torch
-from cuda_graph import capture
+from cuda_graph import assert_pdl_matches_plain, capture
 from error_bound import assert_within_2x
 
 from vllm_kbit import _ops
@@ -390,22 +390,8 @@ def test_pdl_chain(monkeypatch, m: int, reduction: str, wg: str) -> None:
             x = _mma(x, qt, at, cb, bits, n)
         return x
 
-    x = _x(m, k, torch.float16, seed=m)
-    monkeypatch.setenv("KBIT_PDL", "0")
-    want = chain(x)
-    assert bool(torch.isfinite(want).all()) and want.abs().max() > 1e-2
-    monkeypatch.setenv("KBIT_PDL", "1")
-    assert torch.equal(chain(x), want)
-    static_x = x.clone()
-    graph, static_y = capture(lambda: chain(static_x))
-    for seed in [1, 2]:
-        x2 = _x(m, k, torch.float16, seed=seed)
-        static_x.copy_(x2)
-        graph.replay()
-        torch.cuda.synchronize()
-        monkeypatch.setenv("KBIT_PDL", "0")
-        assert torch.equal(static_y, chain(x2))
-        monkeypatch.setenv("KBIT_PDL", "1")
+    xs = [_x(m, k, torch.float16, seed=seed) for seed in (m, 1, 2)]
+    assert_pdl_matches_plain(monkeypatch, chain, xs)
 
 
 @pytest.mark.cxx_errors
