@@ -9,10 +9,6 @@ export PYTHONUNBUFFERED=1 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 # (tools/exc_diag.py); tests that expect a CUDA op to raise are skipped there.
 export KBIT_SKIP_CXX_ERROR_TESTS=1
 T0=$SECONDS
-# Times the first pinned host allocation (tools/vllm_prewarm.py; it does not prevent vLLM's
-# first-start stall, see there). Runs next to the build; waited for at the end.
-python3 tools/vllm_prewarm.py > "$OUT/prewarm.log" 2>&1 &
-PREWARM=$!
 if ! python3 -c "import vllm_kbit._C" 2>/dev/null; then
   TORCH_CUDA_ARCH_LIST=9.0a MAX_JOBS=16 NVCC_THREADS=4 python3 -m pip install --no-build-isolation \
     --no-deps --no-index -e . > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
@@ -35,6 +31,3 @@ if [ "${BENCH:-0}" = 1 ]; then
     --time-budget-s ${BUDGET:-300} ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1; echo "bench rc=$? $((SECONDS - T0))s"
   tail -22 "$OUT/bench.log"
 fi
-# (a process stuck in that allocation may keep the call from returning anyway: say so first)
-kill -0 $PREWARM 2>/dev/null && echo "prewarm still running at $((SECONDS - T0))s: $(tr '\n' ' ' < "$OUT/prewarm.log")"
-wait $PREWARM; echo "prewarm rc=$? $((SECONDS - T0))s"; grep PREWARM "$OUT/prewarm.log" | tr '\n' ' '; echo
