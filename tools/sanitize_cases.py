@@ -85,18 +85,20 @@ check_op("NT=4 stream-K", ((1040, 2080),), (64,))
 for var in ("KBIT_MMA_NT", "KBIT_MMA_WGMMA", "KBIT_MMA_STREAMK"):
     os.environ.pop(var)
 
-# programmatic dependent launch (KBIT_PDL=1, sm_90): the GEMV, the mma.sync kernel (direct,
-# split-K, stream-K) and the warp-specialized kernel copy their first weights before pdl_wait()
+# programmatic dependent launch is on by default (sm_90: the GEMV, the mma.sync kernel and the
+# warp-specialized kernel copy their first weights before pdl_wait()), so every other section runs
+# with it; this one runs the same kernels with it off (KBIT_PDL=0: plain launches, the whole
+# prologue, x included, copied at once): direct, split-K, stream-K, warp-specialized
 from vllm_kbit import _C
 
-os.environ["KBIT_PDL"] = "1"
-check_op("PDL", ((17, 4128), (1000, 96), (4144, 1024)), (1, 17, 64), op="linear")
+os.environ["KBIT_PDL"] = "0"
+check_op("no PDL", ((17, 4128), (1000, 96), (4144, 1024)), (1, 17, 64), op="linear")
 os.environ["KBIT_MMA_STREAMK"] = "1"
-check_op("PDL stream-K", ((4144, 1024),), (17, 64))
+check_op("no PDL stream-K", ((4144, 1024),), (17, 64))
 os.environ.pop("KBIT_MMA_STREAMK")
 if getattr(_C, "sm90a", 0) == 1 and torch.cuda.get_device_capability() == (9, 0):
     os.environ["KBIT_MMA_WGMMA"] = "2"
-    check_op("PDL wgmma_gemm", ((17, 4128), (1000, 96)), (40, 64, 200))
+    check_op("no PDL wgmma_gemm", ((17, 4128), (1000, 96)), (40, 64, 200))
     os.environ.pop("KBIT_MMA_WGMMA")
 os.environ.pop("KBIT_PDL")
 
