@@ -322,6 +322,16 @@ __global__ void __launch_bounds__(wg::kThreads, 1)
     // warns C7513 and follows every wgmma with WARPGROUP.DEPBAR 0 (sm_90a SASS, session 26), so
     // AB = 4 runs the wgmmas one at a time. Measured, that C1w is still ~5% faster than with 2 sets
     // on 8B gate_up / down at M = 48 / 64, ~1% on qkv, equal on o (probe_env_h100_s26_m64_base.md).
+    // What makes ptxas give up is the branch around the slot release below (lane == 0, it > 0)
+    // between a wgmma and the wait that retires it: with that arrive predicated instead (branch
+    // s31-exp), 4 and 8 sets compile to 3 and 7 groups in flight (DEPBAR.LE 3 / 7), and C1 / C1w
+    // then ran no faster than with 2 sets (8B layers, M = 40 / 64, k = 2 / 4, within 1-2%;
+    // probe_env_h100_s31_ab8.md): the depth of the wgmma pipeline is not what bounds these tiles.
+    // Nor is the wgmma itself: mma.sync consumers and A through shared memory (stmatrix + SS
+    // wgmma) were no faster (probe_env_h100_s31_{ms,ss}.md). With neither dequantization nor
+    // wgmma the kernel still takes 0.72-0.83x its time (8B layers, M = 64, the same at k = 2 and
+    // 4: ~1.4 us per k-tile on gate_up; probe_env_h100_s31_diag.md): its per-k-tile copy and
+    // barrier pipeline is the floor to attack next.
     constexpr int kPending = AB == 2 ? 1 : 2;
     uint32_t a[AB][NB][4];  // A-register ring
     uint2 planes[NB][BITS];     // this lane's plane bytes of the current k-tile
