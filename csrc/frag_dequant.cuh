@@ -490,8 +490,8 @@ __global__ void __launch_bounds__(256) splitk_reduce_kernel(const float* __restr
 template <bool BF16>
 inline void launch_splitk_reduce(const float* ws, void* y, int64_t count, int splits, int64_t sms,
                                  bool sm90, cudaStream_t stream) {
-    static const bool pdl_built = pdl_supported(splitk_reduce_kernel<BF16>);
-    const bool pdl = sm90 && pdl_built && env_int("KBIT_MMA_NO_PDL", 0) == 0;
+    const bool pdl = sm90 && pdl_supported<splitk_reduce_kernel<BF16>>() &&
+                     env_int("KBIT_MMA_NO_PDL", 0) == 0;
     const int blocks = static_cast<int>(std::min(ceil_div(ceil_div(count, 4), 256), sms * 4));
     launch_kernel(splitk_reduce_kernel<BF16>, dim3(blocks), 256, 0, stream, 1, pdl, ws, y, count,
                   splits);

@@ -945,9 +945,8 @@ void launch(const Params& p, const MoeArgs& mo, const Plan& plan, const GemvDevi
         C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(d.smem_max)));
     });
-    static const bool pdl_ok = pdl_supported(kernel);
     Params q = p;
-    q.pdl = pdl && pdl_ok;
+    q.pdl = pdl && pdl_supported<gemv_kernel<kBits, T, kMode>>();
     launch_kernel(kernel, dim3(plan.groups * plan.splits), kThreads, static_cast<int>(plan.smem),
                   stream, 1, q.pdl, q, mo);
 }

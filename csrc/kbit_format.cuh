@@ -70,14 +70,17 @@ __device__ __forceinline__ void pdl_trigger() {
 #endif
 }
 
-// Host side: may `kernel` be launched with the PDL attribute? Only if the code that runs was
+// Host side: may `Kernel` be launched with the PDL attribute? Only if the code that runs was
 // compiled for compute_90+ (else pdl_wait() is compiled out and the kernel would read its input
-// before the producer finished). Cached per kernel by the caller.
-template <typename Kernel>
-inline bool pdl_supported(Kernel kernel) {
-    cudaFuncAttributes fa;
-    C10_CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel));
-    return fa.ptxVersion >= 90 && fa.binaryVersion >= 90;
+// before the producer finished). Cached per kernel (one static per instantiation).
+template <auto Kernel>
+inline bool pdl_supported() {
+    static const bool ok = [] {
+        cudaFuncAttributes fa;
+        C10_CUDA_CHECK(cudaFuncGetAttributes(&fa, Kernel));
+        return fa.ptxVersion >= 90 && fa.binaryVersion >= 90;
+    }();
+    return ok;
 }
 
 // Codebook entry as the format defines it: rounded to bf16 (8 significant bits; see

@@ -508,16 +508,14 @@ void run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& absma
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
     if constexpr (kStreamBuilt) {
         if (mode == kStream) {
-            static const bool pdl_ok = pdl_supported(mma_kernel<BITS, TM, BF16, WG, true, NT>);
-            p.pdl = pdl_requested() && pdl_ok;
+            p.pdl = pdl_requested() && pdl_supported<mma_kernel<BITS, TM, BF16, WG, true, NT>>();
             p.flags = stream_flags(x.get_device(), stream);
             launch_kernel(mma_kernel<BITS, TM, BF16, WG, true, NT>,
                           dim3(static_cast<unsigned>(grid)), kThreads, c.smem, stream, 1, p.pdl, p);
             return;
         }
     }
-    static const bool pdl_ok = pdl_supported(mma_kernel<BITS, TM, BF16, WG, false, NT>);
-    p.pdl = pdl_requested() && pdl_ok;
+    p.pdl = pdl_requested() && pdl_supported<mma_kernel<BITS, TM, BF16, WG, false, NT>>();
     launch_kernel(mma_kernel<BITS, TM, BF16, WG, false, NT>, dim3(n_groups, splits, m_tiles),
                   kThreads, c.smem, stream, mode == kCluster ? splits : 1, p.pdl, p);
     if (mode == kWorkspace)

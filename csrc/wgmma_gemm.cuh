@@ -329,7 +329,7 @@ __global__ void __launch_bounds__(wg::kThreads, 1)
     // probe_env_h100_s31_ab8.md): the depth of the wgmma pipeline is not what bounds these tiles.
     // Nor is the wgmma itself: mma.sync consumers and A through shared memory (stmatrix + SS
     // wgmma) were no faster (probe_env_h100_s31_{ms,ss}.md). With neither dequantization nor
-    // wgmma the kernel still takes 0.72-0.83x its time (8B layers, M = 64, the same at k = 2 and
+    // wgmma the kernel still takes 0.72-0.84x its time (8B layers, M = 64, the same at k = 2 and
     // 4: ~1.4 us per k-tile on gate_up; probe_env_h100_s31_diag.md): its per-k-tile copy and
     // barrier pipeline is the floor to attack next.
     constexpr int kPending = AB == 2 ? 1 : 2;
