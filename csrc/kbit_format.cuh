@@ -95,6 +95,22 @@ inline int env_int(const char* name, int fallback) {  // test and tuning hooks (
     return v && *v ? std::atoi(v) : fallback;
 }
 
+// 33..64 tokens on sm_90 (mma.cu's wgmma2_by_default, wgmma_gemm.cu's choose_config): the
+// warp-specialized kernel's 128-row C1 tile on layers of <= 16M weights (n x K), its 256-row C1w
+// tile on larger ones, except where each of more than half an SM count of 256-row blocks would
+// stream >= 64 k-tiles (K >= 8192): there the 64-token mma.sync kernel (stream-K). H100, M = 40 /
+// 64, k = 2..5 (benchmarks/results/probe_env_h100_s32_rule.md): C1w took 0.82-0.97x mma.sync's
+// time on the other 11 shapes of > 16M weights (8B and 70B layers, their TP=2 shards, an
+// 8B-shaped lm_head of 501 blocks and 32 k-tiles), but 1.03-1.14x on 70B gate_up (224 blocks, 64
+// k-tiles; k=5 0.95-0.99x) and 1.16-1.32x on its TP=2 shard (112 blocks, 64 k-tiles, no split-K);
+// why those two was not isolated.
+constexpr int64_t kSmallLayerWeights = int64_t{1} << 24;
+inline bool c1w_by_size(int64_t n, int64_t K) { return n * K > kSmallLayerWeights; }
+inline bool c1w_beats_sync(int64_t n, int64_t K, int64_t sms) {
+    const int64_t blocks = (n + 255) / 256, k_tiles = (K + 127) / 128;
+    return !(k_tiles >= 64 && 2 * blocks > sms);
+}
+
 // Launch the dense GEMV and GEMM kernels (gemv.cu, mma.cu, wgmma_gemm.cu) with programmatic
 // dependent launch: each copies constant data (table, first weights) before pdl_wait(), so that
 // copy overlaps the previous kernel's drain and launch. H100, chains of one op over the 8B layers

@@ -609,27 +609,44 @@ bool use_wgmma(const at::Tensor& x, int64_t M, int64_t n) {
 
 }  // namespace
 
+// SMs of x's device (cached; 0 if unknown).
+int device_sms(const at::Tensor& x) {
+    static std::atomic<int> sms[64];
+    const int dev = x.get_device();
+    if (dev < 0 || dev >= 64) return 0;
+    if (sms[dev].load(std::memory_order_relaxed) == 0) {
+        int v = 0;
+        C10_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev));
+        sms[dev].store(v, std::memory_order_relaxed);
+    }
+    return sms[dev].load(std::memory_order_relaxed);
+}
+
 // The warp-specialized wgmma kernel (wgmma_gemm.cu) by default on sm_90 GPUs (sm_90a builds) for
 // 64 < M <= 256, up to M = 1024 on layers of >= 32M weights (n x K), and for 32 < M <= 64 on
-// layers of <= 16M weights. On the 8 Llama-3.1 8B / 70B shapes it is the fastest kbit kernel for
-// 64 < M <= 256 (H100, k=4, one decoder layer's linears: 8B M=128 155 us against 225 for the
-// mma.sync / dequant paths, fp16 182; benchmarks/results/bench_linear_h100__s6_cluster.md). With
-// its 128 x 256 configuration (C2w) it also beats dequantize + cuBLAS on the big layers up to
-// M = 1024 (70B layer, k=4, M=512: 0.90x fp16 against 0.67x; 8B 0.74x against 0.64x), while on
-// small ones (8B qkv, o) cuBLAS's fixed cost of a 16-bit weight pass is small enough to win from
-// M = 320 (bench_linear_h100__s7_c2w.md). For 32 < M <= 64 its 128 x 64 tile (C1) beats the
-// 64-token mma.sync kernel on every layer of <= 16M weights measured, at M = 40 / 48 / 64 and
-// k = 2..5 (bench_linear_h100__s20_smallmid.md, k=4 M=64: 8B o 14.9 vs 16.8 us, Qwen3-30B-A3B o
-// 10.8 vs 14.1 and qkv 13.5 vs 15.8, 8B o / qkv at TP=2 11.0 vs 12.8 and 14.0 vs 15.0; k = 3 / 5
-// in bench_linear_h100__s20_smallmid_k35.md). There mma.sync's 256-row blocks are few and split
-// K up to 8 ways to fill the GPU; C1's 128-row blocks are twice as many. From 24M weights (8B
-// qkv, 70B o / qkv at TP=2, 8B down) C1 ties or loses (8B qkv 26.2 vs 22.3), and on 8B gate_up
-// it is 1.5x slower. KBIT_MMA_WGMMA=0/1/2 overrides.
+// layers of <= 16M weights (its 128 x 64 tile, C1) and on larger ones (its 256 x 64 tile, C1w)
+// but the few where mma.sync's stream-K wins (kbit_format.cuh's c1w_by_size / c1w_beats_sync).
+// On the 8 Llama-3.1 8B / 70B shapes it is the fastest kbit kernel for 64 < M <= 256 (H100, k=4,
+// one decoder layer's linears: 8B M=128 155 us against 225 for the mma.sync / dequant paths, fp16
+// 182; benchmarks/results/bench_linear_h100__s6_cluster.md). With its 128 x 256 configuration
+// (C2w) it also beats dequantize + cuBLAS on the big layers up to M = 1024 (70B layer, k=4,
+// M=512: 0.90x fp16 against 0.67x; 8B 0.74x against 0.64x), while on small ones (8B qkv, o)
+// cuBLAS's fixed cost of a 16-bit weight pass is small enough to win from M = 320
+// (bench_linear_h100__s7_c2w.md). For 32 < M <= 64, C1 beats the 64-token mma.sync kernel on
+// every layer of <= 16M weights measured, at M = 40 / 48 / 64 and k = 2..5
+// (bench_linear_h100__s20_smallmid.md, k=4 M=64: 8B o 14.9 vs 16.8 us, Qwen3-30B-A3B o 10.8 vs
+// 14.1 and qkv 13.5 vs 15.8; k = 3 / 5 in bench_linear_h100__s20_smallmid_k35.md): mma.sync's
+// 256-row blocks are few there and split K up to 8 ways. On larger layers C1w, since its weights
+// come as two TMA boxes per stage instead of 32 bulk copies (session 32), took 0.82-0.97x
+// mma.sync's time at M = 40 / 64 on 11 of 13 shapes (8B, 70B, their TP=2 shards, an lm_head;
+// benchmarks/results/probe_env_h100_s32_rule.md); c1w_beats_sync excludes the other two (70B
+// gate_up and its TP=2 shard). KBIT_MMA_WGMMA=0/1/2 overrides.
 bool wgmma2_by_default(const at::Tensor& x, int64_t M, int64_t n) {
-    const int64_t weights = n * x.size(1);
-    const bool big = weights >= (int64_t{32} << 20), small = weights <= (int64_t{1} << 24);
-    const bool by_m = (M > 64 && (M <= 256 || (M <= 1024 && big))) || (M > 32 && M <= 64 && small);
-    return by_m && env_int("KBIT_MMA_WGMMA", -1) == -1 && sm90a_device(x);
+    const int64_t K = x.size(1), weights = n * K;
+    const bool big = weights >= (int64_t{32} << 20);
+    if (env_int("KBIT_MMA_WGMMA", -1) != -1 || !sm90a_device(x)) return false;
+    if (M > 64) return M <= 256 || (M <= 1024 && big);
+    return M > 32 && (!c1w_by_size(n, K) || c1w_beats_sync(n, K, device_sms(x)));
 }
 
 at::Tensor mma(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& absmax,

@@ -38,6 +38,8 @@ void run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& absma
     p.n_tiles = static_cast<int>(s.n_tiles), p.k_tiles = k_tiles;
     p.kchunk = kchunk, p.splits = splits, p.stages = c.stages, p.mode = mode;
     p.copies_log2 = c.copies_log2, p.table_bytes = c.table_bytes;
+    p.wmap = tile_tensor_map(p.qw, s.n_tiles, k_tiles, BITS * 256, L::kTiles, "qweight");
+    p.amap = tile_tensor_map(p.am, s.n_tiles, k_tiles, 64, L::kTiles, "weight_absmax");
 
     p.pdl = pdl_requested();  // sm_90a code: griddepcontrol is there
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -51,12 +53,14 @@ void run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& absma
 
 // Tile configuration (wg::pick_config, checked on the CPU): KBIT_WGMMA_CONFIG=1..5 forces
 // C1 = 128 x 64, C2 = 128 x 128, C3 = 256 x 128, C1w = 256 x 64 or C2w = 128 x 256 (tests,
-// tuning); unset = by M, C1w for M <= 64 only with KBIT_WGMMA_C1W=1.
-int choose_config(int64_t M, int64_t k_tiles) {
+// tuning); unset = by M and, up to 64 tokens, by layer size (c1w_by_size, kbit_format.cuh; KBIT_WGMMA_C1W=1 / 0
+// forces C1w / C1 there).
+int choose_config(int64_t M, int64_t n, int64_t K, int64_t k_tiles) {
     const int forced = env_int("KBIT_WGMMA_CONFIG", 0);
     TORCH_CHECK(forced >= 0 && forced <= wg::kNumConfigs,
                 "kbit::mma: KBIT_WGMMA_CONFIG must be 1, 2, 3, 4 or 5, got ", forced);
-    return wg::pick_config(M, k_tiles, forced, env_int("KBIT_WGMMA_C1W", 0) == 1);
+    const int c1w = env_int("KBIT_WGMMA_C1W", -1);
+    return wg::pick_config(M, k_tiles, forced, c1w == -1 ? c1w_by_size(n, K) : c1w == 1);
 }
 
 template <int BITS, int C>
@@ -103,7 +107,7 @@ void wgmma_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor
         return;
     }
     const TiledShape s(y.size(1), x.size(1), bits);
-    const int config = choose_config(x.size(0), s.k_tiles);
+    const int config = choose_config(x.size(0), s.n, s.k, s.k_tiles);
     const bool bf16 = x.scalar_type() == at::kBFloat16;
     switch (bits) {
         case 2: run_bits<2>(config, bf16, x, qweight, absmax, codebook, y, s); break;

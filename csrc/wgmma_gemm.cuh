@@ -8,10 +8,12 @@
 //
 //  * 384 threads, 1 CTA per SM. Warpgroup 0 is the producer: it hands registers to the consumers
 //    (setmaxnreg 40) and one of its warps issues every copy of a pipeline stage (one 128-column
-//    k-tile): a bulk copy (cp.async.bulk) of each weight tile's bit planes and one of its absmax,
-//    both contiguous in the tiled layout, and two 2-D TMA boxes of x (64 columns x TN tokens,
-//    128B-swizzled, rows past M / columns past K zero-filled). All complete on the stage's "full"
-//    mbarrier, armed with expect_tx = the bytes issued.
+//    k-tile): two 2-D TMA boxes of x (64 columns x TN tokens, 128B-swizzled, rows past M /
+//    columns past K zero-filled) and the stage's weights. Dense: one 3-D TMA box of the bit
+//    planes of all the CTA's weight tiles at that k-tile and one of their absmax (the tiled layout
+//    as [n-tile][k-tile][bytes], wmap / amap); grouped MoE: a bulk copy (cp.async.bulk) of each
+//    tile's planes and one of its absmax. All complete on the stage's "full" mbarrier, armed with
+//    expect_tx = the bytes issued.
 //  * Warpgroups 1 and 2 are consumers (setmaxnreg 232). Each owns RWG weight rows = RWG/64 wgmma
 //    m64 blocks; warp w of the warpgroup dequantizes tile w of each block into registers
 //    (frag::step_regs: the mma.sync A fragment, which is exactly the warp's slice of the wgmma
@@ -75,6 +77,10 @@ struct WgParams {
     float* ws;          // [splits, M, n] (kWorkspace)
     int M, n, K, n_tiles, k_tiles, kchunk, splits, stages, mode, copies_log2, table_bytes;
     int pdl;            // dense: launched with programmatic dependent launch (see produce)
+    // Dense: the tiled planes and absmax as 3-D tensors [n_tiles][k_tiles][chunk / 8] of u64
+    // (chunk = BITS * 256 B, 64 B), boxes of one k-tile of the CTA's kTiles n-tiles
+    // (tile_tensor_map); tiles past n_tiles are zero-filled.
+    CUtensorMap wmap, amap;
 };
 
 // Grouped MoE launches (GM != kDense). A second kernel parameter rather than more WgParams
@@ -96,8 +102,15 @@ struct WgMoe {
 
 #if defined(KBIT_WG_DEVICE)
 // The producer warp: for each k-tile of this CTA, wait until its ring slot is free, arm the slot's
-// full barrier with the stage's byte count, then issue the copies. Lane roles are fixed
-// (wg::copy_kind): one bulk copy per lane and k-tile, lane 0 also the TMA boxes of x.
+// full barrier with the stage's byte count, then issue the copies. Dense: lane 0 issues all four
+// TMA boxes (planes, absmax, 2 x). Grouped MoE: lane roles are fixed (wg::copy_kind), one bulk
+// copy per lane and k-tile, lane 0 also the TMA boxes of x.
+// Why boxes for the dense weights: the 2 kTiles bulk copies per stage that MoE still issues cost
+// per instruction, not per byte. On 8B gate_up (M=64, 256 rows per CTA, 32 copies per stage)
+// the kernel with neither dequantization nor wgmma took 46.8 us with them, 34.6 us without the
+// 16 absmax copies, 34.6 us without the 16 plane copies instead, 21.4 us without any weight copy,
+// and 22.2 us with the two boxes (H100, k=2; benchmarks/results/probe_env_h100_s32_copies.md,
+// _wmap64.md). With the boxes the whole kernel takes 0.76-0.89x the time (8B / 70B layers, M=64).
 // GM == kMoeGateUp: nt0 is the CTA's first gate tile and p.n_tiles = I / 16; stage tile t < kTiles
 // / 2 is gate tile nt0 + t, the others the matching up tiles (p.n_tiles further).
 // x_rows: the token width of the tile (TN; MoE: wg::narrow_tn of its rows); a narrowed tile loads
@@ -122,6 +135,7 @@ __device__ __forceinline__ void produce(const WgParams& p, const void* xmap, con
         live = min(L::kTiles, p.n_tiles - nt0);
         active = kind != wg::kNone && t < live;
     }
+    const bool boxes = GM == kDense;  // dense: the weights as 2 TMA boxes (see above)
     const uint32_t bytes = kind == wg::kPlanesCopy ? L::kPlanes : 64;
     const uint32_t dst = kind == wg::kPlanesCopy ? L::kWOff + t * L::kPlanes : L::kAOff + t * 64;
     // A tile's k-tiles are contiguous: the source advances by `bytes` per k-tile.
@@ -130,11 +144,22 @@ __device__ __forceinline__ void produce(const WgParams& p, const void* xmap, con
     const uint8_t* src = (GM == kDense ? (kind == wg::kPlanesCopy ? p.qw : p.am)
                                        : (kind == wg::kPlanesCopy ? qw : am)) + tk * bytes;
     if (lane == 0) wg::prefetch_tensormap(x_rows < TN ? xmap_q : xmap);
+    if (boxes && lane == 0) wg::prefetch_tensormap(&p.wmap), wg::prefetch_tensormap(&p.amap);
     // Arms k-tile `it`'s full barrier (arrive + expect_tx in one, so the phase cannot complete
     // before every byte counted here has landed) and copies its weights; x_tile its x boxes.
     auto weights = [&](int it) {
         const int slot = wg::ring_slot(it, p.stages);
         const uint32_t full = full0 + 8 * slot;
+        if (boxes) {  // every tile of a box counts, zero-filled ones past n_tiles too
+            if (lane == 0) {
+                const uint32_t st = ring + slot * L::kBytes;
+                const int kt = kr.begin + it;
+                wg::mbar_arrive_expect_tx(full, wg::stage_tx_bytes<BITS, RWG, TN>(L::kTiles, x_rows));
+                wg::tma_load_3d(st + L::kWOff, &p.wmap, 0, kt, nt0, full);
+                wg::tma_load_3d(st + L::kAOff, &p.amap, 0, kt, nt0, full);
+            }
+            return;
+        }
         if (lane == 0) wg::mbar_arrive_expect_tx(full, wg::stage_tx_bytes<BITS, RWG, TN>(live, x_rows));
         __syncwarp();
         if (active) wg::bulk_g2s(ring + slot * L::kBytes + dst, src, bytes, full);
@@ -329,9 +354,8 @@ __global__ void __launch_bounds__(wg::kThreads, 1)
     // probe_env_h100_s31_ab8.md): the depth of the wgmma pipeline is not what bounds these tiles.
     // Nor is the wgmma itself: mma.sync consumers and A through shared memory (stmatrix + SS
     // wgmma) were no faster (probe_env_h100_s31_{ms,ss}.md). With neither dequantization nor
-    // wgmma the kernel still takes 0.72-0.84x its time (8B layers, M = 64, the same at k = 2 and
-    // 4: ~1.4 us per k-tile on gate_up; probe_env_h100_s31_diag.md): its per-k-tile copy and
-    // barrier pipeline is the floor to attack next.
+    // wgmma the kernel took 0.72-0.84x its time (probe_env_h100_s31_diag.md): the floor was the
+    // producer's 32 bulk copies per stage, now two TMA boxes (see produce).
     constexpr int kPending = AB == 2 ? 1 : 2;
     uint32_t a[AB][NB][4];  // A-register ring
     uint2 planes[NB][BITS];     // this lane's plane bytes of the current k-tile
@@ -590,6 +614,32 @@ CUtensorMap x_tensor_map(const at::Tensor& x, int tn) {
         CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     TORCH_CHECK(r == CUDA_SUCCESS, "kbit::mma (KBIT_MMA_WGMMA=2): cuTensorMapEncodeTiled failed (",
                 static_cast<int>(r), ") for x ", x.sizes(), " with row stride ", ld_bytes, " B");
+    return map;
+}
+
+// The tiled planes (chunk = BITS * 256 B per tile) or absmax (chunk = 64 B) of docs/format.md as a
+// 3-D tensor [n_tiles][k_tiles][chunk / 8] of u64 (no swizzle), box {chunk / 8, 1, box_tiles}: one
+// k-tile of box_tiles consecutive n-tiles, landing in shared memory as [tile][chunk], the stage
+// layout. Rows past n_tiles are zero-filled; L2 promotion 256 B also brings the next k-tiles'
+// absmax of a tile (64 B each, contiguous).
+CUtensorMap tile_tensor_map(const void* base, int64_t n_tiles, int64_t k_tiles, int64_t chunk,
+                            int box_tiles, const char* what) {
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(base) % 16 == 0, "kbit::mma (KBIT_MMA_WGMMA=2): ", what,
+                " must be 16-byte aligned");
+    const cuuint64_t dims[3] = {static_cast<cuuint64_t>(chunk / 8), static_cast<cuuint64_t>(k_tiles),
+                                static_cast<cuuint64_t>(n_tiles)};
+    const cuuint64_t strides[2] = {static_cast<cuuint64_t>(chunk),
+                                   static_cast<cuuint64_t>(chunk * k_tiles)};
+    const cuuint32_t box[3] = {static_cast<cuuint32_t>(chunk / 8), 1, static_cast<cuuint32_t>(box_tiles)};
+    const cuuint32_t elem_strides[3] = {1, 1, 1};
+    CUtensorMap map;
+    const CUresult r = tensor_map_encoder()(
+        &map, CU_TENSOR_MAP_DATA_TYPE_UINT64, 3, const_cast<void*>(base), dims, strides, box,
+        elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+        CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    TORCH_CHECK(r == CUDA_SUCCESS, "kbit::mma (KBIT_MMA_WGMMA=2): cuTensorMapEncodeTiled failed (",
+                static_cast<int>(r), ") for ", what, ": ", n_tiles, " x ", k_tiles, " tiles of ",
+                chunk, " B");
     return map;
 }
 

@@ -135,8 +135,9 @@ __host__ __device__ constexpr int config_tn(int c) {
 }
 
 // The configuration for M tokens and k_tiles 128-column k-tiles. forced (1..5, KBIT_WGMMA_CONFIG)
-// wins; 0 = by M: up to 64 tokens C1, or C1w where c1w (KBIT_WGMMA_C1W=1, opt-in: 256 rows read
-// each x tile once for twice the weights, half the CTAs); up to 128 tokens C3, whose 256 rows
+// wins; 0 = by M: up to 64 tokens C1, or C1w where c1w (layers of > 16M weights, or
+// KBIT_WGMMA_C1W=1: 256 rows read each x tile once for twice the weights, half the CTAs, and a
+// small layer's 128-row blocks fill more SMs); up to 128 tokens C3, whose 256 rows
 // halve the x bytes per weight. From the H100 runs of every configuration side by side
 // (benchmarks/results/bench_linear_h100__s6_cluster.md): M = 96..128 C3 is within 4% of the best
 // configuration on the 8 Llama-3.1 8B / 70B shapes but 70B gate_up (C2 4-11% faster).
@@ -292,6 +293,14 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const void* map, int c
         "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
         " [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
         "l"(map), "r"(c0), "r"(c1), "r"(bar)
+        : "memory");
+}
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const void* map, int c0, int c1, int c2,
+                                            uint32_t bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
+        "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
         : "memory");
 }
 __device__ __forceinline__ void prefetch_tensormap(const void* map) {

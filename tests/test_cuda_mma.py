@@ -511,7 +511,7 @@ def test_wgmma_real_shapes_and_splits(monkeypatch, m: int) -> None:
 # csrc/wgmma_gemm.cu: producer warpgroup (bulk copies + TMA), two consumer warpgroups (register
 # A, wgmma), mbarrier ring. Configurations (KBIT_WGMMA_CONFIG): 1 = 128 rows x 64 tokens,
 # 2 = 128 x 128, 3 = 256 x 128, 4 = C1w 256 x 64, 5 = C2w 128 x 256; unset = by M (C1w for
-# M <= 64 only with KBIT_WGMMA_C1W=1). First on a new build: test_ws_smoke (a protocol bug traps after 20 s
+# M <= 64 on layers of > 16M weights or with KBIT_WGMMA_C1W=1). First on a new build: test_ws_smoke (a protocol bug traps after 20 s
 # instead of hanging; the process's CUDA context is then lost).
 
 WS_CONFIGS = ["1", "2", "3", "4", "5"]
@@ -539,14 +539,19 @@ def test_ws_smoke(ws) -> None:
 @pytest.mark.parametrize("n,k,cases", [
     # a small layer (<= 16M weights): the warp-specialized kernel for 32 < M <= 256
     (1000, 4128, [(32, "0"), (33, "2"), (64, "2"), (65, "2"), (200, "2"), (256, "2"), (257, None)]),
-    # 6144 x 4096 = 24M weights (8B qkv): mma.sync up to M = 64
-    (6144, 4096, [(33, "0"), (64, "0"), (65, "2"), (257, None)]),
+    # 6144 x 4096 = 24M weights (8B qkv): mma.sync up to M = 32, then the warp-specialized kernel
+    # (C1w up to M = 64)
+    (6144, 4096, [(32, "0"), (33, "2"), (64, "2"), (65, "2"), (257, None)]),
+    # 20480 x 8192: 80 blocks of 256 rows (more than half the SMs of any sm_90 GPU) of 64 k-tiles
+    # each: mma.sync (stream-K) up to M = 64
+    (20480, 8192, [(33, "0"), (64, "0"), (65, "2")]),
     # 8192 x 4096 = 32M weights: also up to M = 1024
     (8192, 4096, [(257, "2"), (600, "2"), (1024, "2"), (1025, None)]),
 ])  # fmt: skip
 def test_ws_is_the_default_by_m_and_layer_size(monkeypatch, n: int, k: int, cases: list) -> None:
     # unset KBIT_MMA_WGMMA: the warp-specialized kernel for 64 < M <= 256, on layers of >= 32M
-    # weights up to M = 1024, and on layers of <= 16M weights from M = 33; mma.sync elsewhere
+    # weights up to M = 1024, and from M = 33 on layers of <= 16M weights or where C1w beats
+    # mma.sync (kbit_format.cuh's c1w_beats_sync); mma.sync elsewhere
     # (bitwise equal to the forced kernels: same configuration, deterministic reductions)
     _wgmma_env(monkeypatch, "0")
     bits = 4
@@ -704,8 +709,8 @@ def test_ws_c1w_real_shapes(ws, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("m,c1w,want", [(1, "1", "4"), (64, "1", "4"), (64, "0", "1"),
                                         (64, None, "1"), (65, "1", None), (200, "1", None)])  # fmt: skip
 def test_ws_c1w_switch(ws, m: int, c1w: str | None, want: str | None) -> None:
-    # KBIT_WGMMA_CONFIG unset: M <= 64 takes C1, or C1w with KBIT_WGMMA_C1W=1 (opt-in until it
-    # is measured); above 64 tokens the switch changes nothing. Same configuration => same
+    # KBIT_WGMMA_CONFIG unset: M <= 64 takes C1 on this 16M-weight layer, C1w with
+    # KBIT_WGMMA_C1W=1 (and by default on larger layers); above 64 tokens the switch changes nothing. Same configuration => same
     # kernel and split-K => bitwise equal outputs (C1 and C1w split the n dimension differently
     # and pick different split-K counts here, so they need not agree bit for bit).
     n, k, bits = 4096, 4096, 4
