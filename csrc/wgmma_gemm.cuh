@@ -110,7 +110,7 @@ struct WgMoe {
 // the kernel with neither dequantization nor wgmma took 46.8 us with them, 34.6 us without the
 // 16 absmax copies, 34.6 us without the 16 plane copies instead, 21.4 us without any weight copy,
 // and 22.2 us with the two boxes (H100, k=2; benchmarks/results/probe_env_h100_s32_copies.md,
-// _wmap64.md). With the boxes the whole kernel takes 0.76-0.89x the time (8B / 70B layers, M=64).
+// _wmap64.md). With the boxes C1 / C1w take 0.73-0.93x the time (8B / 70B layers, M=64).
 // GM == kMoeGateUp: nt0 is the CTA's first gate tile and p.n_tiles = I / 16; stage tile t < kTiles
 // / 2 is gate tile nt0 + t, the others the matching up tiles (p.n_tiles further).
 // x_rows: the token width of the tile (TN; MoE: wg::narrow_tn of its rows); a narrowed tile loads
