@@ -102,8 +102,12 @@ inline int env_int(const char* name, int fallback) {  // test and tuning hooks (
 // 64, k = 2..5 (benchmarks/results/probe_env_h100_s32_rule.md): C1w took 0.82-0.97x mma.sync's
 // time on the other 11 shapes of > 16M weights (8B and 70B layers, their TP=2 shards, an
 // 8B-shaped lm_head of 501 blocks and 32 k-tiles), but 1.03-1.14x on 70B gate_up (224 blocks, 64
-// k-tiles; k=5 0.95-0.99x) and 1.16-1.32x on its TP=2 shard (112 blocks, 64 k-tiles, no split-K);
-// why those two was not isolated.
+// k-tiles; k=5 0.95-0.99x) and 1.16-1.32x on its TP=2 shard (112 blocks, 64 k-tiles, no split-K).
+// There C1w's copy pipeline alone (no dequantization, no wgmma) already takes as long as mma.sync
+// (TP=2 shard, k=2: 91.5 vs 103.0 us, where 8B gate_up's takes 22.7 of 56.2), and rotating each
+// CTA's k order does not help (probe_env_h100_s32_rot.md). Not tested: both are the only probed
+// shapes whose weights exceed L2 while >= 112 CTAs each read all of x, which the weight stream may
+// evict between the CTAs' reads (an L2 evict-first hint on the weight boxes would tell).
 constexpr int64_t kSmallLayerWeights = int64_t{1} << 24;
 inline bool c1w_by_size(int64_t n, int64_t K) { return n * K > kSmallLayerWeights; }
 inline bool c1w_beats_sync(int64_t n, int64_t K, int64_t sms) {
