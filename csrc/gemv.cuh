@@ -909,7 +909,7 @@ inline GemvDevice gemv_device(const at::Tensor& x, const char* op) {
     d.device = x.get_device();
     TORCH_CHECK(d.device < 64, "kbit::", op, ": device index ", d.device, " >= 64");
     int smem_optin = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, d.device));
+    d.sms = device_sms(d.device);
     C10_CUDA_CHECK(
         cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, d.device));
     d.smem_max = smem_optin - 2048;  // leaves room for the static shared memory (<= 1.8 KB)

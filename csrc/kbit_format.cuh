@@ -8,6 +8,7 @@
 #include <cuda_fp16.h>
 #include <torch/all.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 
@@ -93,6 +94,18 @@ __device__ __forceinline__ float cb_value(const float* cb, int i) {
 inline int env_int(const char* name, int fallback) {  // test and tuning hooks (KBIT_*)
     const char* v = std::getenv(name);
     return v && *v ? std::atoi(v) : fallback;
+}
+
+// SMs of CUDA device `dev`, queried once per device (launch sizes, dispatch rules).
+inline int device_sms(int dev) {
+    static std::atomic<int> cache[64];
+    const bool cached = dev >= 0 && dev < 64;
+    int v = cached ? cache[dev].load(std::memory_order_relaxed) : 0;
+    if (v == 0) {
+        C10_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev));
+        if (cached) cache[dev].store(v, std::memory_order_relaxed);
+    }
+    return v;
 }
 
 // 33..64 tokens on sm_90 (mma.cu's wgmma2_by_default, wgmma_gemm.cu's choose_config): the

@@ -609,19 +609,6 @@ bool use_wgmma(const at::Tensor& x, int64_t M, int64_t n) {
 
 }  // namespace
 
-// SMs of x's device (cached; 0 if unknown).
-int device_sms(const at::Tensor& x) {
-    static std::atomic<int> sms[64];
-    const int dev = x.get_device();
-    if (dev < 0 || dev >= 64) return 0;
-    if (sms[dev].load(std::memory_order_relaxed) == 0) {
-        int v = 0;
-        C10_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev));
-        sms[dev].store(v, std::memory_order_relaxed);
-    }
-    return sms[dev].load(std::memory_order_relaxed);
-}
-
 // The warp-specialized wgmma kernel (wgmma_gemm.cu) by default on sm_90 GPUs (sm_90a builds) for
 // 64 < M <= 256, up to M = 1024 on layers of >= 32M weights (n x K), and for 32 < M <= 64 on
 // layers of <= 16M weights (its 128 x 64 tile, C1) and on larger ones (its 256 x 64 tile, C1w)
@@ -636,17 +623,15 @@ int device_sms(const at::Tensor& x) {
 // every layer of <= 16M weights measured, at M = 40 / 48 / 64 and k = 2..5
 // (bench_linear_h100__s20_smallmid.md, k=4 M=64: 8B o 14.9 vs 16.8 us, Qwen3-30B-A3B o 10.8 vs
 // 14.1 and qkv 13.5 vs 15.8; k = 3 / 5 in bench_linear_h100__s20_smallmid_k35.md): mma.sync's
-// 256-row blocks are few there and split K up to 8 ways. On larger layers C1w, since its weights
-// come as two TMA boxes per stage instead of 32 bulk copies (session 32), took 0.82-0.97x
-// mma.sync's time at M = 40 / 64 on 11 of 13 shapes (8B, 70B, their TP=2 shards, an lm_head;
-// benchmarks/results/probe_env_h100_s32_rule.md); c1w_beats_sync excludes the other two (70B
-// gate_up and its TP=2 shard). KBIT_MMA_WGMMA=0/1/2 overrides.
+// 256-row blocks are few there and split K up to 8 ways. On larger layers C1w wins since its
+// weights come as two TMA boxes per stage (session 32), except on the shapes c1w_beats_sync
+// excludes (the measurements are there). KBIT_MMA_WGMMA=0/1/2 overrides.
 bool wgmma2_by_default(const at::Tensor& x, int64_t M, int64_t n) {
     const int64_t K = x.size(1), weights = n * K;
     const bool big = weights >= (int64_t{32} << 20);
     if (env_int("KBIT_MMA_WGMMA", -1) != -1 || !sm90a_device(x)) return false;
     if (M > 64) return M <= 256 || (M <= 1024 && big);
-    return M > 32 && (!c1w_by_size(n, K) || c1w_beats_sync(n, K, device_sms(x)));
+    return M > 32 && (!c1w_by_size(n, K) || c1w_beats_sync(n, K, device_sms(x.get_device())));
 }
 
 at::Tensor mma(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& absmax,

@@ -889,8 +889,7 @@ void run_bits(int tm, const Call& c) {
 void run_moe_wgmma(const Call& c, int64_t bits, int tn) {
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
     const auto opts = c.x.options();
-    int sms = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, c.x.get_device()));
+    const int sms = device_sms(c.x.get_device());
     const Routing rt = routing(c);
     const int64_t max_tiles = std::min<int64_t>(c.E, c.S) + c.S / tn;
     TORCH_CHECK_VALUE(max_tiles <= 65535, "kbit::moe: too many token tiles (T * topk = ", c.S,

@@ -128,9 +128,9 @@ dequantize_kernel(const uint32_t* __restrict__ qweight, const uint8_t* __restric
 // Grid for a grid-stride loop over n_blocks warps: enough CTAs to fill the GPU a few
 // times over (the loop absorbs the rest), never more than there is work for.
 int grid_for(int64_t n_blocks) {
-    int dev = 0, sms = 0;
+    int dev = 0;
     C10_CUDA_CHECK(cudaGetDevice(&dev));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    const int sms = device_sms(dev);
     const int64_t fill = int64_t{sms} * 16;
     return static_cast<int>(std::min(ceil_div(n_blocks, kWarpsPerCta), fill));
 }

@@ -53,8 +53,8 @@ void run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& absma
 
 // Tile configuration (wg::pick_config, checked on the CPU): KBIT_WGMMA_CONFIG=1..5 forces
 // C1 = 128 x 64, C2 = 128 x 128, C3 = 256 x 128, C1w = 256 x 64 or C2w = 128 x 256 (tests,
-// tuning); unset = by M and, up to 64 tokens, by layer size (c1w_by_size, kbit_format.cuh; KBIT_WGMMA_C1W=1 / 0
-// forces C1w / C1 there).
+// tuning); unset = by M and, up to 64 tokens, by layer size (c1w_by_size, kbit_format.cuh;
+// KBIT_WGMMA_C1W=1 / 0 forces C1w / C1 there).
 int choose_config(int64_t M, int64_t n, int64_t K, int64_t k_tiles) {
     const int forced = env_int("KBIT_WGMMA_CONFIG", 0);
     TORCH_CHECK(forced >= 0 && forced <= wg::kNumConfigs,

@@ -135,7 +135,7 @@ __device__ __forceinline__ void produce(const WgParams& p, const void* xmap, con
         live = min(L::kTiles, p.n_tiles - nt0);
         active = kind != wg::kNone && t < live;
     }
-    const bool boxes = GM == kDense;  // dense: the weights as 2 TMA boxes (see above)
+    constexpr bool boxes = GM == kDense;  // dense: the weights as 2 TMA boxes (see above)
     const uint32_t bytes = kind == wg::kPlanesCopy ? L::kPlanes : 64;
     const uint32_t dst = kind == wg::kPlanesCopy ? L::kWOff + t * L::kPlanes : L::kAOff + t * 64;
     // A tile's k-tiles are contiguous: the source advances by `bytes` per k-tile.
@@ -154,7 +154,8 @@ __device__ __forceinline__ void produce(const WgParams& p, const void* xmap, con
             if (lane == 0) {
                 const uint32_t st = ring + slot * L::kBytes;
                 const int kt = kr.begin + it;
-                wg::mbar_arrive_expect_tx(full, wg::stage_tx_bytes<BITS, RWG, TN>(L::kTiles, x_rows));
+                const uint32_t tx = wg::stage_tx_bytes<BITS, RWG, TN>(L::kTiles, x_rows);
+                wg::mbar_arrive_expect_tx(full, tx);
                 wg::tma_load_3d(st + L::kWOff, &p.wmap, 0, kt, nt0, full);
                 wg::tma_load_3d(st + L::kAOff, &p.amap, 0, kt, nt0, full);
             }

@@ -511,8 +511,9 @@ def test_wgmma_real_shapes_and_splits(monkeypatch, m: int) -> None:
 # csrc/wgmma_gemm.cu: producer warpgroup (bulk copies + TMA), two consumer warpgroups (register
 # A, wgmma), mbarrier ring. Configurations (KBIT_WGMMA_CONFIG): 1 = 128 rows x 64 tokens,
 # 2 = 128 x 128, 3 = 256 x 128, 4 = C1w 256 x 64, 5 = C2w 128 x 256; unset = by M (C1w for
-# M <= 64 on layers of > 16M weights or with KBIT_WGMMA_C1W=1). First on a new build: test_ws_smoke (a protocol bug traps after 20 s
-# instead of hanging; the process's CUDA context is then lost).
+# M <= 64 on layers of > 16M weights or with KBIT_WGMMA_C1W=1). First on a new build:
+# test_ws_smoke (a protocol bug traps after 20 s instead of hanging; the process's CUDA context is
+# then lost).
 
 WS_CONFIGS = ["1", "2", "3", "4", "5"]
 WS_MS = [1, 17, 64, 65, 100, 127, 128, 129, 200, 256, 300, 1000]
@@ -710,8 +711,8 @@ def test_ws_c1w_real_shapes(ws, dtype: torch.dtype) -> None:
                                         (64, None, "1"), (65, "1", None), (200, "1", None)])  # fmt: skip
 def test_ws_c1w_switch(ws, m: int, c1w: str | None, want: str | None) -> None:
     # KBIT_WGMMA_CONFIG unset: M <= 64 takes C1 on this 16M-weight layer, C1w with
-    # KBIT_WGMMA_C1W=1 (and by default on larger layers); above 64 tokens the switch changes nothing. Same configuration => same
-    # kernel and split-K => bitwise equal outputs (C1 and C1w split the n dimension differently
+    # KBIT_WGMMA_C1W=1 (and by default on larger layers); above 64 tokens the switch changes
+    # nothing. Same configuration => same kernel and split-K => bitwise equal outputs (C1 and C1w split the n dimension differently
     # and pick different split-K counts here, so they need not agree bit for bit).
     n, k, bits = 4096, 4096, 4
     qt, at, cb, w32 = _quantized(n, k, bits, device="cuda")

@@ -113,7 +113,8 @@ if getattr(_C, "sm90a", 0) == 1 and torch.cuda.get_device_capability() == (9, 0)
     # (KBIT_WGMMA_CONFIG 1..5, 4 = C1w 256 rows x 64 tokens, 5 = C2w 128 x 256; and C1w chosen by M through
     # KBIT_WGMMA_C1W=1), tails in N, K and M (tiles past n zero-filled by the weight boxes), and
     # split-K through the cluster (DSMEM) and workspace reductions. Not in the quick (racecheck)
-    # run: its shared memory is written by TMA (and bulk copies in MoE) and read by wgmma (the async proxy) and ordered by mbarriers, which
+    # run: its shared memory is written by TMA (and bulk copies in MoE) and read by wgmma (the
+    # async proxy) and ordered by mbarriers, which
     # racecheck is not known to model [unverified]; memcheck covers its loads and stores.
     os.environ["KBIT_MMA_WGMMA"] = "2"
     for bits in () if QUICK else BITS:
