@@ -47,6 +47,20 @@ void run_group(const MoeWgGemm& g) {
     mo.zero = reinterpret_cast<float4*>(g.zero), mo.zero_count = g.zero_count / 4;
     mo.topk = g.topk, mo.weight_on_input = g.weight_on_input, mo.act = g.act;
     mo.out_mode = g.atomic ? kMoeAtomic : kMoeRows;
+    // The weights as two TMA boxes per stage (expert_tile_map) rather than 2 kTiles bulk copies
+    // of one tile each; KBIT_WG_TILE_COPIES=1 keeps the copies (A/B and test hook).
+    const int tile_copies = env_int("KBIT_WG_TILE_COPIES", 0);
+    TORCH_CHECK(tile_copies == 0 || tile_copies == 1,
+                "kbit::moe: KBIT_WG_TILE_COPIES must be 0 or 1, got ", tile_copies);
+    mo.tile_copies = tile_copies;
+    if (!tile_copies) {
+        const int halves = GM == kMoeGateUp ? 2 : 1;
+        const int64_t E = g.qweight->size(0);
+        p.wmap = expert_tile_map(p.qw, E, mo.qw_expert, halves, p.n_tiles, p.k_tiles, BITS * 256,
+                                 L::kTiles / halves, "qweight");
+        p.amap = expert_tile_map(p.am, E, mo.am_expert, halves, p.n_tiles, p.k_tiles, 64,
+                                 L::kTiles / halves, "weight_absmax");
+    }
     const int per_cta = GM == kMoeGateUp ? L::kTiles / 2 : L::kTiles;
     const unsigned groups = static_cast<unsigned>(ceil_div(p.n_tiles, per_cta));
     launch_kernel(wgmma_gemm_kernel<BITS, RWG, TN, BF16, GM>,

@@ -9,11 +9,10 @@
 //  * 384 threads, 1 CTA per SM. Warpgroup 0 is the producer: it hands registers to the consumers
 //    (setmaxnreg 40) and one of its warps issues every copy of a pipeline stage (one 128-column
 //    k-tile): two 2-D TMA boxes of x (64 columns x TN tokens, 128B-swizzled, rows past M /
-//    columns past K zero-filled) and the stage's weights. Dense: one 3-D TMA box of the bit
-//    planes of all the CTA's weight tiles at that k-tile and one of their absmax (the tiled layout
-//    as [n-tile][k-tile][bytes], wmap / amap); grouped MoE: a bulk copy (cp.async.bulk) of each
-//    tile's planes and one of its absmax. All complete on the stage's "full" mbarrier, armed with
-//    expect_tx = the bytes issued.
+//    columns past K zero-filled) and the stage's weights: one TMA box of the bit planes of all the
+//    CTA's weight tiles at that k-tile and one of their absmax (dense: the tiled layout as 3-D
+//    [n-tile][k-tile][bytes]; grouped MoE: 5-D with the expert and the gate / up half; wmap /
+//    amap). All complete on the stage's "full" mbarrier, armed with expect_tx = the bytes issued.
 //  * Warpgroups 1 and 2 are consumers (setmaxnreg 232). Each owns RWG weight rows = RWG/64 wgmma
 //    m64 blocks; warp w of the warpgroup dequantizes tile w of each block into registers
 //    (frag::step_regs: the mma.sync A fragment, which is exactly the warp's slice of the wgmma
@@ -77,9 +76,10 @@ struct WgParams {
     float* ws;          // [splits, M, n] (kWorkspace)
     int M, n, K, n_tiles, k_tiles, kchunk, splits, stages, mode, copies_log2, table_bytes;
     int pdl;            // dense: launched with programmatic dependent launch (see produce)
-    // Dense: the tiled planes and absmax as 3-D tensors [n_tiles][k_tiles][chunk / 8] of u64
-    // (chunk = BITS * 256 B, 64 B), boxes of one k-tile of the CTA's kTiles n-tiles
-    // (tile_tensor_map); tiles past n_tiles are zero-filled.
+    // The tiled planes and absmax as tensors of u64 (chunk = BITS * 256 B, 64 B per tile), boxes
+    // of one k-tile of the CTA's kTiles n-tiles; tiles past n_tiles are zero-filled. Dense: 3-D
+    // [n_tiles][k_tiles][chunk / 8] (tile_tensor_map); grouped MoE: 5-D with the expert and the
+    // gate / up half (expert_tile_map).
     CUtensorMap wmap, amap;
 };
 
@@ -98,15 +98,15 @@ struct WgMoe {
     float4* zero;           // gate_up: the down GEMM's atomic accumulator (or null), cleared here
     int64_t zero_count;     // its float4 units
     int topk, weight_on_input, act, out_mode;
+    int tile_copies;  // 1: the weights as one bulk copy per tile (KBIT_WG_TILE_COPIES=1, A/B)
 };
 
 #if defined(KBIT_WG_DEVICE)
 // The producer warp: for each k-tile of this CTA, wait until its ring slot is free, arm the slot's
-// full barrier with the stage's byte count, then issue the copies. Dense: lane 0 issues all four
-// TMA boxes (planes, absmax, 2 x). Grouped MoE: lane roles are fixed (wg::copy_kind), one bulk
-// copy per lane and k-tile, lane 0 also the TMA boxes of x.
-// Why boxes for the dense weights: the 2 kTiles bulk copies per stage that MoE still issues cost
-// per instruction, not per byte. On 8B gate_up (M=64, 256 rows per CTA, 32 copies per stage)
+// full barrier with the stage's byte count, then lane 0 issues the TMA boxes: planes, absmax, x
+// (2, or 2 per TN / 4 rows of a narrowed MoE tile). MoE: the boxes of expert `expert`.
+// Why boxes for the weights: the 2 kTiles bulk copies per stage of one tile each (MoE's until
+// session 33; KBIT_WG_TILE_COPIES=1 still issues them) cost per instruction, not per byte. On 8B gate_up (M=64, 256 rows per CTA, 32 copies per stage)
 // the kernel with neither dequantization nor wgmma took 46.8 us with them, 34.6 us without the
 // 16 absmax copies, 34.6 us without the 16 plane copies instead, 21.4 us without any weight copy,
 // and 22.2 us with the two boxes (H100, k=2; benchmarks/results/probe_env_h100_s32_copies.md,
@@ -119,7 +119,7 @@ template <int BITS, int RWG, int TN, int GM>
 __device__ __forceinline__ void produce(const WgParams& p, const void* xmap, const void* xmap_q,
                                         int x_rows, const uint8_t* qw, const uint8_t* am, int nt0,
                                         int m0, wg::KRange kr, uint32_t ring, uint32_t full0,
-                                        uint32_t empty0, int lane) {
+                                        uint32_t empty0, int lane, int expert, bool tile_copies) {
     using L = wg::StageLayout<BITS, RWG, TN>;
     constexpr int kQ = TN / 4;
     const int kind = wg::copy_kind(lane, L::kTiles), t = wg::copy_tile(lane, L::kTiles);
@@ -135,7 +135,7 @@ __device__ __forceinline__ void produce(const WgParams& p, const void* xmap, con
         live = min(L::kTiles, p.n_tiles - nt0);
         active = kind != wg::kNone && t < live;
     }
-    constexpr bool boxes = GM == kDense;  // dense: the weights as 2 TMA boxes (see above)
+    const bool boxes = GM == kDense || !tile_copies;  // the weights as 2 TMA boxes (see above)
     const uint32_t bytes = kind == wg::kPlanesCopy ? L::kPlanes : 64;
     const uint32_t dst = kind == wg::kPlanesCopy ? L::kWOff + t * L::kPlanes : L::kAOff + t * 64;
     // A tile's k-tiles are contiguous: the source advances by `bytes` per k-tile.
@@ -145,6 +145,7 @@ __device__ __forceinline__ void produce(const WgParams& p, const void* xmap, con
                                        : (kind == wg::kPlanesCopy ? qw : am)) + tk * bytes;
     if (lane == 0) wg::prefetch_tensormap(x_rows < TN ? xmap_q : xmap);
     if (boxes && lane == 0) wg::prefetch_tensormap(&p.wmap), wg::prefetch_tensormap(&p.amap);
+    constexpr int kBoxTiles = GM == kMoeGateUp ? L::kTiles / 2 : L::kTiles;  // per half
     // Arms k-tile `it`'s full barrier (arrive + expect_tx in one, so the phase cannot complete
     // before every byte counted here has landed) and copies its weights; x_tile its x boxes.
     auto weights = [&](int it) {
@@ -156,8 +157,14 @@ __device__ __forceinline__ void produce(const WgParams& p, const void* xmap, con
                 const int kt = kr.begin + it;
                 const uint32_t tx = wg::stage_tx_bytes<BITS, RWG, TN>(L::kTiles, x_rows);
                 wg::mbar_arrive_expect_tx(full, tx);
-                wg::tma_load_3d(st + L::kWOff, &p.wmap, 0, kt, nt0, full);
-                wg::tma_load_3d(st + L::kAOff, &p.amap, 0, kt, nt0, full);
+                if constexpr (GM == kDense) {
+                    wg::tma_load_3d(st + L::kWOff, &p.wmap, 0, kt, nt0, full);
+                    wg::tma_load_3d(st + L::kAOff, &p.amap, 0, kt, nt0, full);
+                } else {  // nt0: the first gate tile (gate_up) / n-tile (down) of the CTA
+                    static_assert(kBoxTiles * (GM == kMoeGateUp ? 2 : 1) == L::kTiles);
+                    wg::tma_load_5d(st + L::kWOff, &p.wmap, 0, kt, nt0, 0, expert, full);
+                    wg::tma_load_5d(st + L::kAOff, &p.amap, 0, kt, nt0, 0, expert, full);
+                }
             }
             return;
         }
@@ -279,13 +286,14 @@ __global__ void __launch_bounds__(wg::kThreads, 1)
     const int nt0 = blockIdx.x * (GM == kMoeGateUp ? kHalf : L::kTiles);
     int m0 = blockIdx.z * TN, m_rows = 0;  // MoE: the tile's rows of x (dense: p.M - m0, below)
     const uint8_t *qw = p.qw, *am = p.am;
+    int expert = 0;  // MoE: the local expert of this CTA's tile
     if constexpr (GM != kDense) {  // this CTA's tile-list entry (the whole CTA exits together)
         if (static_cast<int>(blockIdx.z) >= *mo.num_tiles) {
             if (GM == kMoeGateUp && mo.zero != nullptr) clear_slice(mo, 0, wg::kThreads);
             return;
         }
         const int4 tl = mo.tiles[blockIdx.z];
-        m0 = tl.y, m_rows = tl.z;
+        m0 = tl.y, m_rows = tl.z, expert = tl.x;
         qw += tl.x * mo.qw_expert, am += tl.x * mo.am_expert;
     }
     const wg::KRange kr = wg::k_range(blockIdx.y, p.kchunk, p.k_tiles);
@@ -313,7 +321,8 @@ __global__ void __launch_bounds__(wg::kThreads, 1)
         wg::setmaxnreg_dec<wg::kProducerRegs>();
         if (warp == 0)
             produce<BITS, RWG, TN, GM>(p, &p.xmap, &mo.xmap_q, GM == kDense ? TN : wg::narrow_tn(TN, m_rows),
-                                       qw, am, nt0, m0, kr, ring, full0, empty0, lane);
+                                       qw, am, nt0, m0, kr, ring, full0, empty0, lane, expert,
+                                       mo.tile_copies != 0);
         else if (GM == kMoeGateUp && mo.zero != nullptr)  // warps 1-3 are idle otherwise
             clear_slice(mo, 32, 96);
         if (p.mode == kCluster) {  // the consumers' two cluster barriers count every thread
@@ -623,25 +632,50 @@ CUtensorMap x_tensor_map(const at::Tensor& x, int tn) {
 // k-tile of box_tiles consecutive n-tiles, landing in shared memory as [tile][chunk], the stage
 // layout. Rows past n_tiles are zero-filled; L2 promotion 256 B also brings the next k-tiles'
 // absmax of a tile (64 B each, contiguous).
+// dims[0] = chunk / 8 u64 per tile, dims[1] = k_tiles; strides[i] (bytes) of dims[i + 1].
+static CUtensorMap u64_tile_map(const void* base, int rank, const cuuint64_t* dims,
+                                const cuuint64_t* strides, const cuuint32_t* box, const char* what) {
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(base) % 16 == 0, "kbit (wgmma): ", what,
+                " must be 16-byte aligned");
+    const cuuint32_t elem_strides[5] = {1, 1, 1, 1, 1};
+    CUtensorMap map;
+    const CUresult r = tensor_map_encoder()(
+        &map, CU_TENSOR_MAP_DATA_TYPE_UINT64, rank, const_cast<void*>(base), dims, strides, box,
+        elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+        CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    TORCH_CHECK(r == CUDA_SUCCESS, "kbit (wgmma): cuTensorMapEncodeTiled failed (",
+                static_cast<int>(r), ") for ", what, ": ", dims[rank - 1], " x ... x ", dims[1],
+                " tiles of ", dims[0] * 8, " B");
+    return map;
+}
+
 CUtensorMap tile_tensor_map(const void* base, int64_t n_tiles, int64_t k_tiles, int64_t chunk,
                             int box_tiles, const char* what) {
-    TORCH_CHECK(reinterpret_cast<uintptr_t>(base) % 16 == 0, "kbit::mma (KBIT_MMA_WGMMA=2): ", what,
-                " must be 16-byte aligned");
     const cuuint64_t dims[3] = {static_cast<cuuint64_t>(chunk / 8), static_cast<cuuint64_t>(k_tiles),
                                 static_cast<cuuint64_t>(n_tiles)};
     const cuuint64_t strides[2] = {static_cast<cuuint64_t>(chunk),
                                    static_cast<cuuint64_t>(chunk * k_tiles)};
     const cuuint32_t box[3] = {static_cast<cuuint32_t>(chunk / 8), 1, static_cast<cuuint32_t>(box_tiles)};
-    const cuuint32_t elem_strides[3] = {1, 1, 1};
-    CUtensorMap map;
-    const CUresult r = tensor_map_encoder()(
-        &map, CU_TENSOR_MAP_DATA_TYPE_UINT64, 3, const_cast<void*>(base), dims, strides, box,
-        elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
-        CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-    TORCH_CHECK(r == CUDA_SUCCESS, "kbit::mma (KBIT_MMA_WGMMA=2): cuTensorMapEncodeTiled failed (",
-                static_cast<int>(r), ") for ", what, ": ", n_tiles, " x ", k_tiles, " tiles of ",
-                chunk, " B");
-    return map;
+    return u64_tile_map(base, 3, dims, strides, box, what);
+}
+
+// Grouped MoE: the experts' tiled planes / absmax as a 5-D tensor [E][halves][n_half][k_tiles]
+// [chunk / 8] (expert_bytes apart; gate_up: halves = 2, the gate tiles then the up tiles), box
+// {chunk / 8, 1, box_tiles, halves, 1}: one k-tile of box_tiles n-tiles of each half of one
+// expert, landing as [half][tile][chunk] = the stage's tiles t < kTiles / 2 (gate), then up.
+// Tiles past n_half are zero-filled, within each half: never the next half's or expert's.
+CUtensorMap expert_tile_map(const void* base, int64_t experts, int64_t expert_bytes, int halves,
+                            int64_t n_half, int64_t k_tiles, int64_t chunk, int box_tiles,
+                            const char* what) {
+    const cuuint64_t dims[5] = {static_cast<cuuint64_t>(chunk / 8), static_cast<cuuint64_t>(k_tiles),
+                                static_cast<cuuint64_t>(n_half), static_cast<cuuint64_t>(halves),
+                                static_cast<cuuint64_t>(experts)};
+    const cuuint64_t strides[4] = {
+        static_cast<cuuint64_t>(chunk), static_cast<cuuint64_t>(chunk * k_tiles),
+        static_cast<cuuint64_t>(chunk * k_tiles * n_half), static_cast<cuuint64_t>(expert_bytes)};
+    const cuuint32_t box[5] = {static_cast<cuuint32_t>(chunk / 8), 1,
+                               static_cast<cuuint32_t>(box_tiles), static_cast<cuuint32_t>(halves), 1};
+    return u64_tile_map(base, 5, dims, strides, box, what);
 }
 
 // Is the GPU an sm_90 (the build's sm_90a code runs only there)? Cached per device.

@@ -41,7 +41,8 @@ ACTS = {
 }
 ENV_VARS = ("KBIT_MOE_TM", "KBIT_MOE_SPLITS", "KBIT_MOE_NO_CLUSTER", "KBIT_MOE_NO_PDL",
             "KBIT_MOE_ROUTE_KERNEL", "KBIT_MOE_ATOMIC", "KBIT_MOE_DETERMINISTIC",
-            "KBIT_MOE_GEMV_MAX_SLOTS", "KBIT_MOE_WGMMA", "KBIT_MOE_WG_TN")  # fmt: skip
+            "KBIT_MOE_GEMV_MAX_SLOTS", "KBIT_MOE_WGMMA", "KBIT_MOE_WG_TN",
+            "KBIT_WG_TILE_COPIES")  # fmt: skip
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -664,6 +665,28 @@ def test_wgmma_agrees_with_grouped_and_repeats(wgmma, monkeypatch) -> None:
     monkeypatch.setenv("KBIT_MOE_WGMMA", "0")
     y_grouped = _moe(x, ex, tw, ids, None, bits)
     torch.testing.assert_close(y, y_grouped, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("tn", WG_TNS)
+@pytest.mark.parametrize("bits", [2, 3, 4, 5])
+def test_wgmma_weight_boxes_equal_tile_copies(wgmma, monkeypatch, tn: str, bits: int) -> None:
+    # The weights as two TMA boxes per stage of one expert (wgmma_gemm.cuh's expert_tile_map,
+    # the default) or as one bulk copy per tile (KBIT_WG_TILE_COPIES=1): the same bytes of every
+    # live tile in the stage, so the same bits (per-slot rows). I = 96: 6 gate tiles, a partial
+    # row group whose zero-filled box tiles must stay out of the up half and the next expert;
+    # H = 160: a K tail. Every expert holds slots.
+    _set_tile(monkeypatch, tn)
+    monkeypatch.setenv("KBIT_MOE_DETERMINISTIC", "1")
+    e, h, i = 8, 160, 96
+    ex = _experts(e, h, i, bits)
+    for t in (300, 1000):
+        tw, ids = _routing(t, e, 2, 3)
+        x = _x(t, h, torch.bfloat16)
+        y = _moe(x, ex, tw, ids, None, bits)
+        _check(y, x, ex[5], ex[6], tw, ids, None, "silu", False)
+        monkeypatch.setenv("KBIT_WG_TILE_COPIES", "1")
+        assert torch.equal(_moe(x, ex, tw, ids, None, bits), y), f"T={t}"
+        monkeypatch.delenv("KBIT_WG_TILE_COPIES")
 
 
 @pytest.mark.parametrize("det", ["0", "1"])

@@ -181,6 +181,8 @@ if hasattr(K_OPS, "moe") and "moe" not in getattr(ops, "_cuda_reference_ops", ["
                                  (3, 2, {"KBIT_MOE_WGMMA": "1", **grouped}),
                                  (300, 2, {"KBIT_MOE_WGMMA": "1", "KBIT_MOE_WG_TN": "128", **det}),
                                  (300, 4, {"KBIT_MOE_WGMMA": "1"}),
+                                 # its weights as one bulk copy per tile instead of 2 TMA boxes
+                                 (300, 2, {"KBIT_MOE_WGMMA": "1", "KBIT_WG_TILE_COPIES": "1"}),
                                  (40, 2, {"KBIT_MOE_WGMMA": "1", "KBIT_MOE_WG_TN": "256"}),
                                  (2100, 2, {}),  # > 4096 slots: the multi-CTA routing
                                  (600, 2, {"KBIT_MOE_WGMMA": "1", "KBIT_MOE_WG_TN": "256",
