@@ -118,9 +118,9 @@ inline int device_sms(int dev) {
 // k-tiles; k=5 0.95-0.99x) and 1.16-1.32x on its TP=2 shard (112 blocks, 64 k-tiles, no split-K).
 // There C1w's copy pipeline alone (no dequantization, no wgmma) already takes as long as mma.sync
 // (TP=2 shard, k=2: 91.5 vs 103.0 us, where 8B gate_up's takes 22.7 of 56.2), and rotating each
-// CTA's k order does not help (probe_env_h100_s32_rot.md). Not tested: both are the only probed
-// shapes whose weights exceed L2 while >= 112 CTAs each read all of x, which the weight stream may
-// evict between the CTAs' reads (an L2 evict-first hint on the weight boxes would tell).
+// CTA's k order does not help (probe_env_h100_s32_rot.md), nor does an L2 evict_first policy on
+// the weight boxes, with or without evict_last on x (1.00x on every shape at M = 64 / 128 / 256:
+// probe_env_h100_s33_l2hint*.md; branch s33-l2hint): not x evicted by the weight stream.
 constexpr int64_t kSmallLayerWeights = int64_t{1} << 24;
 inline bool c1w_by_size(int64_t n, int64_t K) { return n * K > kSmallLayerWeights; }
 inline bool c1w_beats_sync(int64_t n, int64_t K, int64_t sms) {
