@@ -106,11 +106,13 @@ struct WgMoe {
 // full barrier with the stage's byte count, then lane 0 issues the TMA boxes: planes, absmax, x
 // (2, or 2 per TN / 4 rows of a narrowed MoE tile). MoE: the boxes of expert `expert`.
 // Why boxes for the weights: the 2 kTiles bulk copies per stage of one tile each (MoE's until
-// session 33; KBIT_WG_TILE_COPIES=1 still issues them) cost per instruction, not per byte. On 8B gate_up (M=64, 256 rows per CTA, 32 copies per stage)
-// the kernel with neither dequantization nor wgmma took 46.8 us with them, 34.6 us without the
-// 16 absmax copies, 34.6 us without the 16 plane copies instead, 21.4 us without any weight copy,
-// and 22.2 us with the two boxes (H100, k=2; benchmarks/results/probe_env_h100_s32_copies.md,
-// _wmap64.md). With the boxes C1 / C1w take 0.73-0.93x the time (8B / 70B layers, M=64).
+// session 33; KBIT_WG_TILE_COPIES=1 still issues them) cost per instruction, not per byte. On 8B
+// gate_up (M=64, 256 rows per CTA, 32 copies per stage) the kernel with neither dequantization
+// nor wgmma took 46.8 us with them, 34.6 us without the 16 absmax copies, 34.6 us without the 16
+// plane copies instead, 21.4 us without any weight copy, and 22.2 us with the two boxes (H100,
+// k=2; benchmarks/results/probe_env_h100_s32_copies.md, _wmap64.md). With the boxes C1 / C1w take
+// 0.73-0.93x the time (8B / 70B layers, M=64); grouped MoE 0.81-0.88x where the copies weighed
+// most (Qwen3-30B-A3B at T = 1024, Mixtral at T = 256; benchmarks/results/moe_boxes_h100_s33/).
 // GM == kMoeGateUp: nt0 is the CTA's first gate tile and p.n_tiles = I / 16; stage tile t < kTiles
 // / 2 is gate tile nt0 + t, the others the matching up tiles (p.n_tiles further).
 // x_rows: the token width of the tile (TN; MoE: wg::narrow_tn of its rows); a narrowed tile loads
@@ -145,7 +147,6 @@ __device__ __forceinline__ void produce(const WgParams& p, const void* xmap, con
                                        : (kind == wg::kPlanesCopy ? qw : am)) + tk * bytes;
     if (lane == 0) wg::prefetch_tensormap(x_rows < TN ? xmap_q : xmap);
     if (boxes && lane == 0) wg::prefetch_tensormap(&p.wmap), wg::prefetch_tensormap(&p.amap);
-    constexpr int kBoxTiles = GM == kMoeGateUp ? L::kTiles / 2 : L::kTiles;  // per half
     // Arms k-tile `it`'s full barrier (arrive + expect_tx in one, so the phase cannot complete
     // before every byte counted here has landed) and copies its weights; x_tile its x boxes.
     auto weights = [&](int it) {
@@ -161,7 +162,6 @@ __device__ __forceinline__ void produce(const WgParams& p, const void* xmap, con
                     wg::tma_load_3d(st + L::kWOff, &p.wmap, 0, kt, nt0, full);
                     wg::tma_load_3d(st + L::kAOff, &p.amap, 0, kt, nt0, full);
                 } else {  // nt0: the first gate tile (gate_up) / n-tile (down) of the CTA
-                    static_assert(kBoxTiles * (GM == kMoeGateUp ? 2 : 1) == L::kTiles);
                     wg::tma_load_5d(st + L::kWOff, &p.wmap, 0, kt, nt0, 0, expert, full);
                     wg::tma_load_5d(st + L::kAOff, &p.amap, 0, kt, nt0, 0, expert, full);
                 }
