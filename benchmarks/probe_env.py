@@ -60,6 +60,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--op", default="mma", choices=["mma", "gemv", "linear"],
                     help="the kbit op timed (gemv: M <= 8; linear: the dispatching op)")
     ap.add_argument("--variant", action="append", required=True, help="NAME:[KBIT_VAR=VALUE,...]")
+    ap.add_argument("--pre-kernel", action="store_true",
+                    help="precede each call by an elementwise kernel that writes the op's x (as "
+                         "vLLM's norms and activations precede every linear layer): times include "
+                         "it, so PDL variants are compared behind a predecessor without PDL")
     ap.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
     ap.add_argument("--tag", default="")
     ap.add_argument("--time-budget-s", type=float, default=300.0)
@@ -98,8 +102,15 @@ def main(argv: list[str] | None = None) -> None:
                     y = with_env(env, lambda x=x, n=sh.n: op(x, q0, a0, cb, bits, n))()
                     err = float((y.float() - ref).norm() / ref.norm().clamp_min(1e-30))
                     row[f"{name}_err"] = err
-                groups = {name: [with_env(env, lambda q=q, s=s, x=x, n=sh.n:
-                                          op(x, q, s, cb, bits, n)) for q, s in weights]
+                xb = torch.empty_like(x)
+
+                def call(q, s, x=x, n=sh.n, xb=xb):
+                    if not a.pre_kernel:
+                        return op(x, q, s, cb, bits, n)
+                    torch.mul(x, 1.0, out=xb)
+                    return op(xb, q, s, cb, bits, n)
+
+                groups = {name: [with_env(env, lambda q=q, s=s: call(q, s)) for q, s in weights]
                           for name, env in variants.items()}  # fmt: skip
                 res = time_interleaved(groups)
                 for name, t in res.items():
@@ -111,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     a.out_dir.mkdir(parents=True, exist_ok=True)
     meta = run_metadata()
     meta["variants"] = variants
-    meta["op"] = f"kbit::{a.op}"
+    meta["op"] = f"kbit::{a.op}" + (" behind an elementwise kernel (--pre-kernel)" if a.pre_kernel else "")
     out = a.out_dir / f"probe_env{a.tag}.json"
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     md = [f"# kbit::{a.op} under KBIT_* settings: {meta.get('device', '?')}", "",

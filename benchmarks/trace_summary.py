@@ -22,7 +22,8 @@ from pathlib import Path
 FAMILIES: list[tuple[str, re.Pattern]] = [
     (name, re.compile(pat))
     for name, pat in [
-        ("kbit GEMV (dense)", r"gemv_kernel<\d, [^,]+, 0>"),
+        # modes 0 / 3 of gemv.cuh: single n-tiles, paired n-tiles (kDensePair)
+        ("kbit GEMV (dense)", r"gemv_kernel<\d, [^,]+, [03]>"),
         ("kbit MoE gate_up GEMV", r"gemv_kernel<\d, [^,]+, 1>"),
         ("kbit MoE down GEMV", r"gemv_kernel<\d, [^,]+, 2>"),
         ("kbit other", r"kbit::"),

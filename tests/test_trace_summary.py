@@ -42,6 +42,7 @@ def _trace() -> dict:
 
 def test_families():
     assert ts.family(DENSE) == "kbit GEMV (dense)"
+    assert ts.family(DENSE.replace(", 0>", ", 3>")) == "kbit GEMV (dense)"  # paired n-tiles
     assert ts.family(GATE_UP) == "kbit MoE gate_up GEMV"
     assert ts.family(DOWN) == "kbit MoE down GEMV"
     assert ts.family("void kbit::(anonymous namespace)::moe_wgmma_kernel<4>()") == "kbit other"
