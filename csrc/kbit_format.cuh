@@ -124,7 +124,7 @@ inline int device_sms(int dev) {
 constexpr int64_t kSmallLayerWeights = int64_t{1} << 24;
 inline bool c1w_by_size(int64_t n, int64_t K) { return n * K > kSmallLayerWeights; }
 inline bool c1w_beats_sync(int64_t n, int64_t K, int64_t sms) {
-    const int64_t blocks = (n + 255) / 256, k_tiles = (K + 127) / 128;
+    const int64_t blocks = ceil_div(n, 256), k_tiles = ceil_div(K, kTileK);
     return !(k_tiles >= 64 && 2 * blocks > sms);
 }
 

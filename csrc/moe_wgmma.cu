@@ -53,16 +53,16 @@ void run_group(const MoeWgGemm& g) {
     TORCH_CHECK(tile_copies == 0 || tile_copies == 1,
                 "kbit::moe: KBIT_WG_TILE_COPIES must be 0 or 1, got ", tile_copies);
     mo.tile_copies = tile_copies;
+    // gate_up: a CTA's stage holds kTiles / 2 gate tiles and the matching up tiles.
+    constexpr int kHalves = GM == kMoeGateUp ? 2 : 1, kPerCta = L::kTiles / kHalves;
     if (!tile_copies) {
-        const int halves = GM == kMoeGateUp ? 2 : 1;
         const int64_t E = g.qweight->size(0);
-        p.wmap = expert_tile_map(p.qw, E, mo.qw_expert, halves, p.n_tiles, p.k_tiles, BITS * 256,
-                                 L::kTiles / halves, "qweight");
-        p.amap = expert_tile_map(p.am, E, mo.am_expert, halves, p.n_tiles, p.k_tiles, 64,
-                                 L::kTiles / halves, "weight_absmax");
+        p.wmap = expert_tile_map(p.qw, E, mo.qw_expert, kHalves, p.n_tiles, p.k_tiles, BITS * 256,
+                                 kPerCta, "qweight");
+        p.amap = expert_tile_map(p.am, E, mo.am_expert, kHalves, p.n_tiles, p.k_tiles, 64, kPerCta,
+                                 "weight_absmax");
     }
-    const int per_cta = GM == kMoeGateUp ? L::kTiles / 2 : L::kTiles;
-    const unsigned groups = static_cast<unsigned>(ceil_div(p.n_tiles, per_cta));
+    const unsigned groups = static_cast<unsigned>(ceil_div(p.n_tiles, kPerCta));
     launch_kernel(wgmma_gemm_kernel<BITS, RWG, TN, BF16, GM>,
                   dim3(groups, 1, static_cast<unsigned>(g.max_tiles)), wg::kThreads, c.smem,
                   c10::cuda::getCurrentCUDAStream(), 1, false, p, mo);

@@ -627,11 +627,7 @@ CUtensorMap x_tensor_map(const at::Tensor& x, int tn) {
     return map;
 }
 
-// The tiled planes (chunk = BITS * 256 B per tile) or absmax (chunk = 64 B) of docs/format.md as a
-// 3-D tensor [n_tiles][k_tiles][chunk / 8] of u64 (no swizzle), box {chunk / 8, 1, box_tiles}: one
-// k-tile of box_tiles consecutive n-tiles, landing in shared memory as [tile][chunk], the stage
-// layout. Rows past n_tiles are zero-filled; L2 promotion 256 B also brings the next k-tiles'
-// absmax of a tile (64 B each, contiguous).
+// A TMA map of tiled planes / absmax as u64 (no swizzle, out-of-bounds boxes zero-filled):
 // dims[0] = chunk / 8 u64 per tile, dims[1] = k_tiles; strides[i] (bytes) of dims[i + 1].
 static CUtensorMap u64_tile_map(const void* base, int rank, const cuuint64_t* dims,
                                 const cuuint64_t* strides, const cuuint32_t* box, const char* what) {
@@ -649,6 +645,11 @@ static CUtensorMap u64_tile_map(const void* base, int rank, const cuuint64_t* di
     return map;
 }
 
+// The tiled planes (chunk = BITS * 256 B per tile) or absmax (chunk = 64 B) of docs/format.md as a
+// 3-D tensor [n_tiles][k_tiles][chunk / 8] of u64, box {chunk / 8, 1, box_tiles}: one k-tile of
+// box_tiles consecutive n-tiles, landing in shared memory as [tile][chunk], the stage layout.
+// Rows past n_tiles are zero-filled; L2 promotion 256 B also brings the next k-tiles' absmax of a
+// tile (64 B each, contiguous).
 CUtensorMap tile_tensor_map(const void* base, int64_t n_tiles, int64_t k_tiles, int64_t chunk,
                             int box_tiles, const char* what) {
     const cuuint64_t dims[3] = {static_cast<cuuint64_t>(chunk / 8), static_cast<cuuint64_t>(k_tiles),
