@@ -603,14 +603,17 @@ RingConfig configure_ring(Kernel kernel, int dev, int bits, int threads, int sta
     return c;
 }
 
-// Split-K count: minimises waves x (k-tiles per CTA + 1 tile of fill/epilogue), <= max_splits.
-inline int choose_splits(double ctas, int k_tiles, int64_t slots, int max_splits) {
+// Split-K count: minimises waves x (k-tiles per CTA + 1 tile of fill/epilogue), <= max_splits,
+// plus ws_per_split (in the same k-tile units) per split where s > 1: the fp32 partial sums' cost.
+inline int choose_splits(double ctas, int k_tiles, int64_t slots, int max_splits,
+                         double ws_per_split = 0.0) {
     int best = 1;
     double best_cost = 1e300;
     for (int s = 1; s <= std::min(max_splits, k_tiles); ++s) {
         const int64_t chunk = ceil_div(k_tiles, s);
         if (ceil_div(k_tiles, chunk) != s) continue;  // same chunks as a smaller s
-        const double cost = std::ceil(ctas * s / static_cast<double>(slots)) * (chunk + 1);
+        const double cost = std::ceil(ctas * s / static_cast<double>(slots)) * (chunk + 1) +
+                            (s > 1 ? s * ws_per_split : 0.0);
         if (cost < best_cost) best = s, best_cost = cost;
     }
     return best;

@@ -8,6 +8,10 @@ namespace {
 
 #if defined(KBIT_SM90A)
 
+// KBIT_WG_SPLIT_WS=0 restores session 33's planning above 128 tokens (no price on split-K's
+// partial sums, C2 for 192 < M <= 256 on K < 8192 whatever the width): A/B and tests.
+bool split_ws_priced() { return env_int("KBIT_WG_SPLIT_WS", 1) != 0; }
+
 template <int BITS, int RWG, int TN, bool BF16, int AB = kABufs>
 void run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& absmax,
          const at::Tensor& codebook, at::Tensor& y, const TiledShape& s) {
@@ -16,8 +20,18 @@ void run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& absma
     const int M = static_cast<int>(x.size(0));
     const int n_groups = static_cast<int>(ceil_div(s.n_tiles, L::kTiles));
     const int m_tiles = static_cast<int>(ceil_div(M, TN)), k_tiles = static_cast<int>(s.k_tiles);
-    // 1 CTA per SM: split K where the output tiles alone would leave SMs idle.
-    int want = choose_splits(double(n_groups) * m_tiles, k_tiles, c.sms, kMaxSplits);
+    // 1 CTA per SM: split K where the output tiles alone would leave SMs idle. Above 128 tokens
+    // the splits' fp32 partial sums (splits x M x n x 4 bytes, written, then read back by the
+    // reduce kernel) cost as much as whole k-tiles: priced as HBM traffic (3.35 TB/s) in k-tiles
+    // of one CTA (~1.7 us for a 256-row x 128-token or 128 x 256 tile, ~1.2 us for 128 x 128),
+    // fitted on H100 8B / 70B layers at M = 160..512 (benchmarks/results/
+    // probe_env_h100_s34_nosplit.md: 8B gate_up at M = 160 took 159 us with 4 splits, 112 us
+    // without; 70B qkv at M = 256 132 us with 8, 96 without; 8B o / down and 70B o / down, 32-64
+    // row blocks, still need 2-4 splits). Up to 128 tokens the measured rule stays (no price).
+    const bool ws_price = M > 128 && split_ws_priced();
+    const double unit_bytes = 2 * RWG * TN >= 32768 ? 5.7e6 : 4.0e6;
+    const double ws_per_split = ws_price ? 8.0 * M * double(s.n) / unit_bytes : 0.0;
+    int want = choose_splits(double(n_groups) * m_tiles, k_tiles, c.sms, kMaxSplits, ws_per_split);
     if (const int forced = env_int("KBIT_MMA_SPLITS", 0); forced > 0) want = std::min(forced, kMaxSplits);
     const wg::SplitPlan sp = wg::split_plan(k_tiles, want);
     const int kchunk = sp.kchunk, splits = sp.splits;
@@ -55,12 +69,14 @@ void run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& absma
 // C1 = 128 x 64, C2 = 128 x 128, C3 = 256 x 128, C1w = 256 x 64 or C2w = 128 x 256 (tests,
 // tuning); unset = by M and, up to 64 tokens, by layer size (c1w_by_size, kbit_format.cuh;
 // KBIT_WGMMA_C1W=1 / 0 forces C1w / C1 there).
-int choose_config(int64_t M, int64_t n, int64_t K, int64_t k_tiles) {
+int choose_config(int64_t M, int64_t n, int64_t K, int64_t k_tiles, int dev) {
     const int forced = env_int("KBIT_WGMMA_CONFIG", 0);
     TORCH_CHECK(forced >= 0 && forced <= wg::kNumConfigs,
                 "kbit::mma: KBIT_WGMMA_CONFIG must be 1, 2, 3, 4 or 5, got ", forced);
     const int c1w = env_int("KBIT_WGMMA_C1W", -1);
-    return wg::pick_config(M, k_tiles, forced, c1w == -1 ? c1w_by_size(n, K) : c1w == 1);
+    const bool wide_fill = split_ws_priced() && ceil_div(n, 128) >= device_sms(dev);
+    return wg::pick_config(M, k_tiles, forced, c1w == -1 ? c1w_by_size(n, K) : c1w == 1,
+                           wide_fill);
 }
 
 template <int BITS, int C>
@@ -107,7 +123,7 @@ void wgmma_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor
         return;
     }
     const TiledShape s(y.size(1), x.size(1), bits);
-    const int config = choose_config(x.size(0), s.n, s.k, s.k_tiles);
+    const int config = choose_config(x.size(0), s.n, s.k, s.k_tiles, x.get_device());
     const bool bf16 = x.scalar_type() == at::kBFloat16;
     switch (bits) {
         case 2: run_bits<2>(config, bf16, x, qweight, absmax, codebook, y, s); break;

@@ -149,13 +149,17 @@ __host__ __device__ constexpr int config_tn(int c) {
 // Except for 192 < M <= 256 on K < 8192 (the 8B shapes but down): there C2w's one 256-token
 // tile per row block leaves too few CTAs or a bad last wave, and C2's two 128-token tiles win
 // (bench_linear_h100__s7_c2w.md, M = 256, k=4: 8B gate_up 171 vs 195 us, qkv 51 vs 62; at
-// M = 192 C2w still wins the layer, 300 vs 319 us).
-__host__ __device__ constexpr int pick_config(long long m, long long k_tiles, int forced, bool c1w) {
-    return forced                            ? forced
-           : m <= 64                         ? (c1w ? kC1w : kC1)
-           : m <= 128                        ? kC3
-           : m > 192 && m <= 256 && k_tiles < 64 ? kC2
-                                              : kC2w;
+// M = 192 C2w still wins the layer, 300 vs 319 us). Those C2w times had 4 splits of K through
+// the fp32 workspace; with split-K priced (wgmma_gemm.cu) C2w runs 8B gate_up unsplit in 109 us
+// against C2's 159 (probe_env_h100_s34_nosplit.md), so C2 is kept only where C2w's 128-row
+// blocks alone do not fill the GPU (wide_fill false: 8B qkv 36 vs 48 us, 8B o level).
+__host__ __device__ constexpr int pick_config(long long m, long long k_tiles, int forced, bool c1w,
+                                              bool wide_fill = false) {
+    return forced                                          ? forced
+           : m <= 64                                       ? (c1w ? kC1w : kC1)
+           : m <= 128                                      ? kC3
+           : m > 192 && m <= 256 && k_tiles < 64 && !wide_fill ? kC2
+                                                            : kC2w;
 }
 
 // Split-K: CTA y of `splits` takes k-tiles [y * kchunk, y * kchunk + count); the host makes
