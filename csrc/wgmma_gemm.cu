@@ -74,7 +74,9 @@ int choose_config(int64_t M, int64_t n, int64_t K, int64_t k_tiles, int dev) {
     TORCH_CHECK(forced >= 0 && forced <= wg::kNumConfigs,
                 "kbit::mma: KBIT_WGMMA_CONFIG must be 1, 2, 3, 4 or 5, got ", forced);
     const int c1w = env_int("KBIT_WGMMA_C1W", -1);
-    const bool wide_fill = split_ws_priced() && ceil_div(n, 128) >= device_sms(dev);
+    // C2w's row blocks (2 x its rows per warpgroup) alone fill the GPU
+    const bool wide_fill =
+        split_ws_priced() && ceil_div(n, 2 * wg::config_rwg(wg::kC2w)) >= device_sms(dev);
     return wg::pick_config(M, k_tiles, forced, c1w == -1 ? c1w_by_size(n, K) : c1w == 1,
                            wide_fill);
 }
