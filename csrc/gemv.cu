@@ -5,10 +5,15 @@
 
 namespace kbit {
 
-at::Tensor gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& absmax,
-                const at::Tensor& codebook, int64_t bits, int64_t n) {
+namespace {
+
+// kbit::gemv, and with xp.mode != kXPlain its fused forms (gemv_fused): K = the GEMV's K (x has
+// 2K columns for kXSiluMul).
+at::Tensor gemv_run(const at::Tensor& x, int64_t K, const XPro& xp, const at::Tensor& qweight,
+                    const at::Tensor& absmax, const at::Tensor& codebook, int64_t bits,
+                    int64_t n) {
     check_activation(x, qweight, "gemv");
-    const int64_t M = x.size(0), K = x.size(1);
+    const int64_t M = x.size(0);
     TORCH_CHECK(M <= kMaxM, "kbit::gemv: x has M=", M, " rows, the GEMV kernel takes at most ",
                 kMaxM, " (use kbit::mma or kbit::linear for larger batches)");
     const TiledShape shape = check_tiled(qweight, absmax, bits, n, K, "gemv");
@@ -64,14 +69,55 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
     const bool half = x.scalar_type() == at::kHalf;
     if (plan.pair && half)
-        launch_bits<__half, kDensePair>(bits, p, MoeArgs{}, plan, d, pdl, stream);
+        launch_bits<__half, kDensePair>(bits, p, MoeArgs{}, xp, plan, d, pdl, stream);
     else if (plan.pair)
-        launch_bits<__nv_bfloat16, kDensePair>(bits, p, MoeArgs{}, plan, d, pdl, stream);
+        launch_bits<__nv_bfloat16, kDensePair>(bits, p, MoeArgs{}, xp, plan, d, pdl, stream);
     else if (half)
-        launch_bits<__half, kDense>(bits, p, MoeArgs{}, plan, d, pdl, stream);
+        launch_bits<__half, kDense>(bits, p, MoeArgs{}, xp, plan, d, pdl, stream);
     else
-        launch_bits<__nv_bfloat16, kDense>(bits, p, MoeArgs{}, plan, d, pdl, stream);
+        launch_bits<__nv_bfloat16, kDense>(bits, p, MoeArgs{}, xp, plan, d, pdl, stream);
     return y;
+}
+
+}  // namespace
+
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& absmax,
+                const at::Tensor& codebook, int64_t bits, int64_t n) {
+    return gemv_run(x, x.size(1), XPro{}, qweight, absmax, codebook, bits, n);
+}
+
+bool gemv_fused_takes(const at::Tensor& x, const at::Tensor* residual,
+                      const at::Tensor* norm_weight) {
+    // Every prologue access is 8 elements (16 bytes) wide.
+    auto rows16 = [](const at::Tensor& t) {
+        return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 &&
+               (t.size(0) == 1 || t.stride(0) % 8 == 0);
+    };
+    if (x.size(0) > kMaxM || !rows16(x)) return false;
+    if (residual != nullptr && !rows16(*residual)) return false;
+    return norm_weight == nullptr || reinterpret_cast<uintptr_t>(norm_weight->data_ptr()) % 16 == 0;
+}
+
+at::Tensor gemv_fused(const at::Tensor& x, const at::Tensor* residual, at::Tensor* residual_out,
+                      const at::Tensor* norm_weight, double eps, const at::Tensor& qweight,
+                      const at::Tensor& absmax, const at::Tensor& codebook, int64_t bits,
+                      int64_t n) {
+    TORCH_CHECK(gemv_fused_takes(x, residual, norm_weight),
+                "kbit::gemv_fused: the caller must check gemv_fused_takes first");
+    XPro xp;
+    int64_t K = x.size(1);
+    if (residual != nullptr) {
+        xp.mode = kXAddNorm;
+        xp.res = residual->data_ptr();
+        xp.res_out = residual_out->data_ptr();
+        xp.nw = norm_weight->data_ptr();
+        xp.sres = residual->stride(0);
+        xp.eps = static_cast<float>(eps);
+    } else {
+        xp.mode = kXSiluMul;
+        K /= 2;
+    }
+    return gemv_run(x, K, xp, qweight, absmax, codebook, bits, n);
 }
 
 }  // namespace kbit

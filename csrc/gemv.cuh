@@ -146,6 +146,24 @@ struct Params {
     int Mx;                // token rows of x staged in shared memory (dense: M; MoE: T)
 };
 
+// Dense modes only: what the kernel stages as x (kbit::linear_add_rms_norm / linear_silu_mul,
+// fused_linear.cu). The fused forms replace the elementwise kernel that would run before the
+// GEMV: at M <= 8 that kernel and its launch gap cost about as much as a small layer's weights
+// (8B qkv at k=2: ~2.5 us of norm + gap before ~6 us of GEMV), and without it the GEMV follows
+// the previous kbit kernel directly, so programmatic dependent launch overlaps the two.
+enum XIn : int { kXPlain = 0, kXAddNorm = 1, kXSiluMul = 2 };
+struct XPro {
+    int mode = kXPlain;
+    // kXAddNorm: v = x + res (fp32), x' = T(T(v * rsqrt(mean_K(v^2) + eps)) * nw), as vLLM's
+    // fused_add_rms_norm; res_out = T(v) [M, K] contiguous, written by the CTAs of group 0.
+    const void* res = nullptr;
+    void* res_out = nullptr;
+    const void* nw = nullptr;  // norm weight [K]
+    int64_t sres = 0;          // row stride of res
+    float eps = 0.f;
+    // kXSiluMul: x = h [M, 2K] (row stride Params::sx), x' = T(T(silu(h[:, :K])) * h[:, K:]).
+};
+
 template <typename T>
 struct Cvt;
 template <>
@@ -488,6 +506,133 @@ __device__ __forceinline__ void store_x(uint8_t* xs, const Params& p, int m, int
     for (int t = 0; t < 4; ++t) dst[t] = make_uint4(v.w[0][t], v.w[1][t], v.w[2][t], v.w[3][t]);
 }
 
+template <typename T>
+__device__ __forceinline__ float2 unpack2(uint32_t w) {
+    if constexpr (std::is_same_v<T, __nv_bfloat16>)
+        return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w));
+    else
+        return __half22float2(*reinterpret_cast<const __half2*>(&w));
+}
+
+// Eight consecutive elements (16-byte aligned) as floats.
+template <typename T>
+__device__ __forceinline__ void load8(const T* src, float (&v)[8]) {
+    const uint4 u = *reinterpret_cast<const uint4*>(src);
+    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 f = unpack2<T>(w[i]);
+        v[2 * i] = f.x, v[2 * i + 1] = f.y;
+    }
+}
+
+// The fused x prologues (XPro, dense modes), after pdl_wait: x' of the CTA's K range, one
+// (token m, block bl) job per thread as in load_x / store_x. The host guarantees 16-byte aligned
+// rows of x, res, res_out and nw, so every access is 8 elements wide. `writer`: this CTA writes
+// its K range of res_out (the CTAs of group 0 together cover K once).
+template <typename T>
+__device__ __forceinline__ void stage_xpro(uint8_t* xs, const Params& p, const XPro& xp, int k_begin,
+                                        int nblk, bool writer, float* s_ss) {
+    constexpr bool kBF16 = std::is_same_v<T, __nv_bfloat16>;
+    const T* x = static_cast<const T*>(p.x);
+    const T* res = static_cast<const T*>(xp.res);
+    const T* nw = static_cast<const T*>(xp.nw);
+    const bool norm = xp.mode == kXAddNorm;
+    if (norm) {
+        // The norm divides by the rms over all of K, whatever K range this CTA multiplies: every
+        // CTA reads the whole rows (M x K x 4 bytes, L2 hits after the first) and sums them itself
+        // (fp32, in no fixed order: not bit-identical to the reference's sum, within its rounding).
+        // Four tokens per round, their loads issued together: one token after the other, each
+        // round a dependent L2 round trip + reduction, cost ~0.8 us per token (an 8B layer chain
+        // at M=4 took 1.07-1.11x the unfused time that way).
+        if (threadIdx.x < kMaxM) s_ss[threadIdx.x] = 0.f;
+        __syncthreads();
+        for (int m0 = 0; m0 < p.M; m0 += 4) {
+            float ss[4] = {0.f, 0.f, 0.f, 0.f};
+            for (int c = threadIdx.x * 8; c < p.K; c += kThreads * 8) {
+                uint4 xa[4], ra[4];
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    if (m0 + j < p.M) {
+                        xa[j] = *reinterpret_cast<const uint4*>(x + (m0 + j) * p.sx + c);
+                        ra[j] = *reinterpret_cast<const uint4*>(res + (m0 + j) * xp.sres + c);
+                    }
+                }
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    if (m0 + j < p.M) {
+                        const uint32_t xw[4] = {xa[j].x, xa[j].y, xa[j].z, xa[j].w};
+                        const uint32_t rw[4] = {ra[j].x, ra[j].y, ra[j].z, ra[j].w};
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) {
+                            const float2 u = unpack2<T>(xw[i]), v = unpack2<T>(rw[i]);
+                            ss[j] = fmaf(u.x + v.x, u.x + v.x, ss[j]);
+                            ss[j] = fmaf(u.y + v.y, u.y + v.y, ss[j]);
+                        }
+                    }
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+#pragma unroll
+                for (int o = 16; o > 0; o >>= 1) ss[j] += __shfl_xor_sync(0xffffffffu, ss[j], o);
+            }
+            if ((threadIdx.x & 31) == 0) {
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+                    if (m0 + j < p.M) atomicAdd(s_ss + m0 + j, ss[j]);
+            }
+        }
+        __syncthreads();
+    }
+    for (int m = 0, bl = threadIdx.x; m < p.M;) {  // job m * nblk + bl, by counters
+        if (bl >= nblk) {
+            bl -= nblk, ++m;
+            continue;
+        }
+        XJob r = {};
+        const int col = (k_begin * kBlocksPerTile + bl) * kBlock;
+        if (col < p.K) {
+            const float rinv = norm ? rsqrtf(s_ss[m] / static_cast<float>(p.K) + xp.eps) : 0.f;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {  // columns col + 8j .. col + 8j + 7
+                const int c = col + 8 * j;
+                float a[8], b[8], o[8];
+                load8<T>(x + m * p.sx + (norm ? c : c + p.K), b);  // x, or the up half of h
+                if (norm) {
+                    load8<T>(res + m * xp.sres + c, a);
+                    float w8[8];
+                    load8<T>(nw + c, w8);
+                    uint32_t v[4];
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) {
+                        const float s = a[i] + b[i];
+                        a[i] = s;
+                        o[i] = round_to<kBF16>(s * rinv) * w8[i];  // rounded once more by pack2
+                    }
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) v[i] = pack2<kBF16>(a[2 * i], a[2 * i + 1]);
+                    if (writer)
+                        *reinterpret_cast<uint4*>(static_cast<T*>(xp.res_out) + m * p.K + c) =
+                            make_uint4(v[0], v[1], v[2], v[3]);
+                } else {
+                    load8<T>(x + m * p.sx + c, a);  // gate half
+                    // Every CTA computes the activation of its whole K range (at M=4 and 8B down
+                    // 57k values per CTA): fast exp and division (~2 ulp in fp32, below the
+                    // rounding to x.dtype) instead of expf and an IEEE divide.
+#pragma unroll
+                    for (int i = 0; i < 8; ++i)
+                        o[i] = round_to<kBF16>(__fdividef(a[i], 1.0f + __expf(-a[i]))) * b[i];
+                }
+#pragma unroll
+                for (int t = 0; t < 4; ++t) r.w[j][t] = pack2<kBF16>(o[2 * t], o[2 * t + 1]);
+            }
+        }
+        store_x(xs, p, m, bl, r);
+        bl += kThreads;
+    }
+}
+
 // kMoeDown: half h (columns 16h .. 16h + 15) of block bl of the CTA's K' range for token m, =
 // act(gate) * up of slot (m, j) at those columns of I, computed from h (x.dtype) in fp32 and
 // rounded once, as the reference does, and stored where store_x puts them: pairs 8h + 4q + i =
@@ -543,13 +688,15 @@ __device__ __forceinline__ void store_sums(float (&acc)[4], float* rows, int g, 
 }
 
 template <int kBits, typename T, int kMode = kDense>
-__global__ void __launch_bounds__(kThreads, 1) gemv_kernel(const Params p, const MoeArgs mo) {
+__global__ void __launch_bounds__(kThreads, 1)
+    gemv_kernel(const Params p, const MoeArgs mo, const XPro xp) {
     constexpr bool kMoe = kMode == kMoeGateUp || kMode == kMoeDown, kDown = kMode == kMoeDown;
     constexpr bool kPair = kMode == kDensePair;
     constexpr int kNU = kPair ? 2 : 1;       // n-tiles per unit (the host keeps n_tiles even)
     constexpr int kRows = kTileN * kNU;       // output rows per unit
     extern __shared__ __align__(16) uint8_t smem[];  // [table][x rows][sums][warp partials]
     __shared__ int is_last;
+    __shared__ float s_ss[kMaxM];  // kXAddNorm: sum of (x + res)^2 per token
     // MoE: local expert (-1: none) and router weight of each slot
     __shared__ int s_e[kMoe ? kMoeMaxSlots : 1];
     __shared__ float s_w[kMoe ? kMoeMaxSlots : 1];
@@ -586,7 +733,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_kernel(const Params p, const
     const int nblk = k_len * kBlocksPerTile;
     const bool has_x = threadIdx.x < nblk;  // token 0, block threadIdx.x
     XJob xj;
-    if (!kDown && !p.pdl && has_x) xj = load_x<T>(p, k_begin, 0, threadIdx.x);
+    if (!kDown && !p.pdl && xp.mode == kXPlain && has_x) xj = load_x<T>(p, k_begin, 0, threadIdx.x);
 
     constexpr int D = kPrefetch<kMode>;
     std::conditional_t<kMoe, MoeStream<kBits, kDown>, TileStream<kBits>> ts;
@@ -663,6 +810,8 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_kernel(const Params p, const
                 hb -= halves, ++m;
             }
         }
+    } else if (!kMoe && xp.mode != kXPlain) {
+        stage_xpro<T>(xs_s, p, xp, k_begin, nblk, group == 0, s_ss);
     } else {
         if (p.pdl && has_x) xj = load_x<T>(p, k_begin, 0, threadIdx.x);
         if (has_x) store_x(xs_s, p, 0, threadIdx.x, xj);
@@ -937,8 +1086,8 @@ inline void apply_plan(Params& p, const Plan& plan, const at::Tensor& x, at::Ten
 
 // pdl: launch with programmatic dependent launch where the kernel supports it (sm_90 code).
 template <int kBits, typename T, int kMode>
-void launch(const Params& p, const MoeArgs& mo, const Plan& plan, const GemvDevice& d, bool pdl,
-            cudaStream_t stream) {
+void launch(const Params& p, const MoeArgs& mo, const XPro& xp, const Plan& plan,
+            const GemvDevice& d, bool pdl, cudaStream_t stream) {
     auto kernel = gemv_kernel<kBits, T, kMode>;
     static std::once_flag configured[64];
     std::call_once(configured[d.device], [&] {
@@ -948,17 +1097,17 @@ void launch(const Params& p, const MoeArgs& mo, const Plan& plan, const GemvDevi
     Params q = p;
     q.pdl = pdl && pdl_supported<gemv_kernel<kBits, T, kMode>>();
     launch_kernel(kernel, dim3(plan.groups * plan.splits), kThreads, static_cast<int>(plan.smem),
-                  stream, 1, q.pdl, q, mo);
+                  stream, 1, q.pdl, q, mo, xp);
 }
 
 template <typename T, int kMode>
-void launch_bits(int64_t bits, const Params& p, const MoeArgs& mo, const Plan& plan,
+void launch_bits(int64_t bits, const Params& p, const MoeArgs& mo, const XPro& xp, const Plan& plan,
                  const GemvDevice& d, bool pdl, cudaStream_t stream) {
     switch (bits) {
-        case 2: return launch<2, T, kMode>(p, mo, plan, d, pdl, stream);
-        case 3: return launch<3, T, kMode>(p, mo, plan, d, pdl, stream);
-        case 4: return launch<4, T, kMode>(p, mo, plan, d, pdl, stream);
-        default: return launch<5, T, kMode>(p, mo, plan, d, pdl, stream);
+        case 2: return launch<2, T, kMode>(p, mo, xp, plan, d, pdl, stream);
+        case 3: return launch<3, T, kMode>(p, mo, xp, plan, d, pdl, stream);
+        case 4: return launch<4, T, kMode>(p, mo, xp, plan, d, pdl, stream);
+        default: return launch<5, T, kMode>(p, mo, xp, plan, d, pdl, stream);
     }
 }
 

@@ -60,6 +60,11 @@ Path forced_path() {
 
 }  // namespace
 
+bool linear_uses_gemv(int64_t m, int64_t n, int64_t bits) {
+    const Path path = forced_path();
+    return path == Path::kAuto ? use_gemv(m, n, bits) : path == Path::kGemv && m <= kGemvMaxM;
+}
+
 at::Tensor linear(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& absmax,
                   const at::Tensor& codebook, int64_t bits, int64_t n) {
     TORCH_CHECK(x_in.is_cuda() && x_in.dim() == 2,

@@ -120,11 +120,11 @@ void moe_gemv(const at::Tensor& x, at::Tensor& y, const at::Tensor& ids, const a
     apply_plan(p2, plan2, x, ws2, arrived2);
 
     if (bf16) {
-        launch_bits<__nv_bfloat16, kMoeGateUp>(bits, p1, mo1, plan1, d, false, stream);
-        launch_bits<__nv_bfloat16, kMoeDown>(bits, p2, mo2, plan2, d, pdl, stream);
+        launch_bits<__nv_bfloat16, kMoeGateUp>(bits, p1, mo1, XPro{}, plan1, d, false, stream);
+        launch_bits<__nv_bfloat16, kMoeDown>(bits, p2, mo2, XPro{}, plan2, d, pdl, stream);
     } else {
-        launch_bits<__half, kMoeGateUp>(bits, p1, mo1, plan1, d, false, stream);
-        launch_bits<__half, kMoeDown>(bits, p2, mo2, plan2, d, pdl, stream);
+        launch_bits<__half, kMoeGateUp>(bits, p1, mo1, XPro{}, plan1, d, false, stream);
+        launch_bits<__half, kMoeDown>(bits, p2, mo2, XPro{}, plan2, d, pdl, stream);
     }
 }
 

@@ -37,6 +37,27 @@ bool wgmma2_by_default(const at::Tensor& x, int64_t M, int64_t n);
 // linear.cu: picks gemv / mma / dequantize_tiled + cuBLAS from M (KBIT_FORCE_KERNEL overrides).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& absmax,
                   const at::Tensor& codebook, int64_t bits, int64_t n);
+// linear.cu: does kbit::linear take the GEMV for this M (KBIT_FORCE_KERNEL included)?
+bool linear_uses_gemv(int64_t m, int64_t n, int64_t bits);
+// fused_linear.cu: kbit::linear of rms_norm(x + residual) * norm_weight (vLLM's
+// fused_add_rms_norm), returning (y, x + residual); and kbit::linear of silu(h[:, :K]) *
+// h[:, K:] (SiluAndMul). Contracts in vllm_kbit/reference.py.
+std::tuple<at::Tensor, at::Tensor> linear_add_rms_norm(
+    const at::Tensor& x, const at::Tensor& residual, const at::Tensor& norm_weight, double eps,
+    const at::Tensor& qweight, const at::Tensor& absmax, const at::Tensor& codebook, int64_t bits,
+    int64_t n);
+at::Tensor linear_silu_mul(const at::Tensor& h, const at::Tensor& qweight,
+                           const at::Tensor& absmax, const at::Tensor& codebook, int64_t bits,
+                           int64_t n);
+// gemv.cu: the GEMV with the op folded into its x staging (residual set: add + rms norm, writing
+// residual_out; else silu-and-mul of h = x [M, 2K]). gemv_fused_takes: M <= 8 and 16-byte
+// aligned rows; the fused ops check the tensors themselves.
+bool gemv_fused_takes(const at::Tensor& x, const at::Tensor* residual,
+                      const at::Tensor* norm_weight);
+at::Tensor gemv_fused(const at::Tensor& x, const at::Tensor* residual, at::Tensor* residual_out,
+                      const at::Tensor* norm_weight, double eps, const at::Tensor& qweight,
+                      const at::Tensor& absmax, const at::Tensor& codebook, int64_t bits,
+                      int64_t n);
 // moe.cu: routed experts of one MoE layer (gate_up + gated activation + down + top-k weighted
 // sum) on per-expert tiled weights [E, words]; contract in vllm_kbit/reference_moe.py.
 at::Tensor moe(const at::Tensor& x, const at::Tensor& w13_qweight, const at::Tensor& w13_absmax,

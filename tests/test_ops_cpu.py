@@ -112,7 +112,7 @@ def test_cuda_reference_fills_ops_missing_from_the_extension() -> None:
         "fake = types.ModuleType('vllm_kbit._C')\n"
         "fake.lib = torch.library.Library('kbit', 'IMPL')\n"
         "for op in ('quantize', 'dequantize', 'repack', 'dequantize_tiled', 'gemv', 'mma',\n"
-        "           'linear'):\n"
+        "           'linear', 'linear_add_rms_norm', 'linear_silu_mul'):\n"
         "    fake.lib.impl(op, lambda *a: None, 'CUDA')\n"
         "sys.modules['vllm_kbit._C'] = fake\n"
         "from vllm_kbit import _ops\n"

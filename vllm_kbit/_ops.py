@@ -33,6 +33,12 @@ _SCHEMAS = {
     "mma": "mma(Tensor x, Tensor qweight, Tensor absmax, Tensor codebook, int bits, int n) -> Tensor",
     "linear": "linear(Tensor x, Tensor qweight, Tensor absmax, Tensor codebook, int bits, int n) "
     "-> Tensor",
+    # kbit::linear of the elementwise op that feeds it in a decoder layer (vllm_kbit/fusion.py):
+    # rms_norm(x + residual) * norm_weight, also returning x + residual; silu(h[:, :K]) * h[:, K:]
+    "linear_add_rms_norm": "linear_add_rms_norm(Tensor x, Tensor residual, Tensor norm_weight, "
+    "float eps, Tensor qweight, Tensor absmax, Tensor codebook, int bits, int n) -> (Tensor, Tensor)",
+    "linear_silu_mul": "linear_silu_mul(Tensor h, Tensor qweight, Tensor absmax, Tensor codebook, "
+    "int bits, int n) -> Tensor",
     # grouped MoE experts (gate_up, gated activation, down, weighted sum over top-k) on the
     # tiled layout, one row per local expert; see reference_moe.py for the contract
     "moe": "moe(Tensor x, Tensor w13_qweight, Tensor w13_absmax, Tensor w2_qweight, "
@@ -63,6 +69,8 @@ def _define() -> None:
     torch.library.register_fake("kbit::dequantize_tiled", _dequantize_tiled_fake, lib=_lib)
     for name in _MATMUL_OPS:
         torch.library.register_fake(f"kbit::{name}", _linear_fake, lib=_lib)
+    torch.library.register_fake("kbit::linear_add_rms_norm", _linear_add_rms_norm_fake, lib=_lib)
+    torch.library.register_fake("kbit::linear_silu_mul", _linear_silu_mul_fake, lib=_lib)
     torch.library.register_fake("kbit::moe", _moe_fake, lib=_lib)
 
 
@@ -72,6 +80,7 @@ def _register_reference(dispatch_key: str, names: list[str] | None = None) -> No
     assert _lib is not None
     impls = {"quantize": _quantize_ref, "dequantize": ref.dequantize, "repack": ref.repack,
              "dequantize_tiled": ref.dequantize_tiled, "moe": ref_moe.moe_tiled,
+             "linear_add_rms_norm": _linear_add_rms_norm_ref, "linear_silu_mul": _linear_silu_mul_ref,
              **{name: _linear_ref for name in _MATMUL_OPS}}  # fmt: skip
     for name in _SCHEMAS if names is None else names:
         _lib.impl(name, impls[name], dispatch_key)
@@ -84,6 +93,30 @@ def _quantize_ref(weight: torch.Tensor, codebook: torch.Tensor, bits: int):
 def _linear_ref(x, qweight, absmax, codebook, bits, n):
     _check_linear_args(x, qweight, absmax, codebook, bits, n)
     return ref.linear_tiled(x, qweight, absmax, codebook, bits, n)
+
+
+def _check_norm_args(x, residual, norm_weight) -> None:
+    torch._check(residual.shape == x.shape and residual.dtype == x.dtype,
+                 lambda: f"kbit: residual must match x ({tuple(x.shape)}, {x.dtype}), got "
+                 f"{tuple(residual.shape)}, {residual.dtype}")  # fmt: skip
+    torch._check(norm_weight.dim() == 1 and norm_weight.shape[0] == x.shape[-1]
+                 and norm_weight.dtype == x.dtype,
+                 lambda: f"kbit: norm_weight must be [{x.shape[-1]}] {x.dtype}, got "
+                 f"{tuple(norm_weight.shape)} {norm_weight.dtype}")  # fmt: skip
+
+
+def _linear_add_rms_norm_ref(x, residual, norm_weight, eps, qweight, absmax, codebook, bits, n):
+    _check_linear_args(x, qweight, absmax, codebook, bits, n)
+    _check_norm_args(x, residual, norm_weight)
+    return ref.linear_add_rms_norm(x, residual, norm_weight, eps, qweight, absmax, codebook,
+                                   bits, n)  # fmt: skip
+
+
+def _linear_silu_mul_ref(h, qweight, absmax, codebook, bits, n):
+    _check_linear_args(h, qweight, absmax, codebook, bits, n)
+    torch._check(h.shape[-1] % 2 == 0,
+                 lambda: f"kbit: h must be [M, 2K] (gate, up), got {tuple(h.shape)}")  # fmt: skip
+    return ref.linear_silu_mul(h, qweight, absmax, codebook, bits, n)
 
 
 def _check_linear_args(x, qweight, absmax, codebook, bits, n) -> None:
@@ -124,6 +157,17 @@ def _dequantize_tiled_fake(qweight, absmax, codebook, bits, n, k, dtype):
 def _linear_fake(x, qweight, absmax, codebook, bits, n):
     _check_linear_args(x, qweight, absmax, codebook, bits, n)
     return x.new_empty((x.shape[0], n))
+
+
+def _linear_add_rms_norm_fake(x, residual, norm_weight, eps, qweight, absmax, codebook, bits, n):
+    _check_linear_args(x, qweight, absmax, codebook, bits, n)
+    _check_norm_args(x, residual, norm_weight)
+    return x.new_empty((x.shape[0], n)), x.new_empty(x.shape)
+
+
+def _linear_silu_mul_fake(h, qweight, absmax, codebook, bits, n):
+    _check_linear_args(h, qweight, absmax, codebook, bits, n)
+    return h.new_empty((h.shape[0], n))
 
 
 def _moe_fake(x, w13_qweight, w13_absmax, w2_qweight, w2_absmax, codebook, topk_weights, topk_ids,

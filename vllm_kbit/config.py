@@ -49,6 +49,7 @@ from vllm.model_executor.layers.quantization.base_config import (
 )
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
+from . import fusion
 from .format import BLOCKSIZE, KbitQuantConfig
 from .linear import KbitLinearMethod
 from .moe import KbitMoEMethod
@@ -221,6 +222,7 @@ class KbitConfig(QuantizationConfig):
             raise ValueError(f"kbit: vLLM fuses {prefix} from modules with different module_bits "
                              f"{bits}; fused modules must share one bit width")  # fmt: skip
         k = bits[shards[0]]
+        fusion.install()  # the norm / activation fusion pass (vllm_kbit/fusion.py), once
         return KbitLinearMethod(k, self.quant.codebook(k), online=self.online, prefix=prefix)
 
 

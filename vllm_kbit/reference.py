@@ -292,3 +292,39 @@ def linear_tiled(x: torch.Tensor, qt: torch.Tensor, at: torch.Tensor, codebook: 
     """The op the plugin calls: x[..., K] @ W^T with W in the runtime layout."""
     w = dequantize_tiled(qt, at, codebook, bits, n, x.shape[-1], dtype=x.dtype)
     return (x.float() @ w.float().t()).to(x.dtype)
+
+
+# ------------------------------------------------ fused input ops (kbit::linear_*)
+#
+# The elementwise op before a linear layer in vLLM's decoder layers, folded into the layer
+# (vllm_kbit/fusion.py rewrites the compiled graph). Rounding follows vLLM 0.26 exactly:
+# fused_add_rms_norm (vllm/ir/ops/layernorm.py) and SiluAndMul.forward_native.
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(rms_norm(x + residual) * weight, x + residual), the sum in fp32 and rounded once."""
+    v = x.float() + residual.float()
+    variance = v.pow(2).mean(dim=-1, keepdim=True)
+    out = (v * torch.rsqrt(variance + eps)).to(weight.dtype) * weight
+    return out.to(x.dtype), v.to(x.dtype)
+
+
+def silu_mul(h: torch.Tensor) -> torch.Tensor:
+    """silu(h[..., :d]) * h[..., d:], each rounded to h.dtype (d = h.shape[-1] // 2)."""
+    d = h.shape[-1] // 2
+    return torch.nn.functional.silu(h[..., :d]) * h[..., d:]
+
+
+def linear_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                        eps: float, qt: torch.Tensor, at: torch.Tensor, codebook: torch.Tensor,
+                        bits: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """kbit::linear_add_rms_norm: (linear_tiled(normed), x + residual)."""
+    xn, res = add_rms_norm(x, residual, norm_weight, eps)
+    return linear_tiled(xn, qt, at, codebook, bits, n), res
+
+
+def linear_silu_mul(h: torch.Tensor, qt: torch.Tensor, at: torch.Tensor, codebook: torch.Tensor,
+                    bits: int, n: int) -> torch.Tensor:  # fmt: skip
+    """kbit::linear_silu_mul: linear_tiled(silu_mul(h)), h = [M, 2K] (gate, up)."""
+    return linear_tiled(silu_mul(h), qt, at, codebook, bits, n)

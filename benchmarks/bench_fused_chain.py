@@ -1,0 +1,138 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Decode time of a chain of Llama-style decoder layers' linear parts, with and without the
+norm / activation folded into the kbit GEMVs (vllm_kbit/fusion.py, kbit::linear_add_rms_norm /
+linear_silu_mul).
+
+Per layer: add + rms norm -> qkv -> attention stand-in (one elementwise kernel) -> o -> add + rms
+norm -> gate_up -> silu * up -> down. Variants, each the whole chain in one CUDA graph:
+  inductor  the elementwise ops compiled by torch.compile (Triton kernels, as vLLM runs them)
+            + kbit::linear
+  separate  kbit::linear_add_rms_norm / linear_silu_mul with KBIT_FUSED_GEMV=0 (kbit's own
+            elementwise kernel, then kbit::linear)
+  fused     the same ops folded into the GEMV (the default at M <= 8)
+Every layer has its own weights (32 layers of Llama-3.1-8B: 2-4 GB, far beyond L2). Timed with
+benchmarks/timing.py (graph replays, CUDA events, median; the variants interleaved).
+
+  python benchmarks/bench_fused_chain.py --bits 2,4 --m 1,4 --out-dir benchmarks/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import run_metadata, time_interleaved, with_env  # noqa: E402
+
+from vllm_kbit import _ops  # noqa: E402
+from vllm_kbit import reference as ref  # noqa: E402
+from vllm_kbit.format import default_codebook  # noqa: E402
+
+H, I, QKV = 4096, 14336, 6144  # Llama-3.1-8B
+
+
+def _layer_weights(bits: int, cb: torch.Tensor, gen: torch.Generator) -> dict:
+    """Random codes and absmax in the tiled layout (kbit::quantize of random weights is slow at
+    this size; the kernels' time does not depend on the values)."""
+    w = {}
+    for name, (n, k) in {"qkv": (QKV, H), "o": (H, H), "gu": (2 * I, H), "down": (H, I)}.items():
+        _, _, words, nbytes = ref.tiled_shape(n, k, bits)
+        q = torch.randint(-(2**31), 2**31 - 1, (words,), generator=gen, dtype=torch.int64)
+        a = torch.randint(90, 110, (nbytes,), generator=gen, dtype=torch.int64)  # absmax ~ 2^-2
+        w[name] = (q.to(torch.int32).cuda(), a.to(torch.uint8).cuda(), n)
+    w["nw1"] = (torch.rand(H, generator=gen) + 0.5).half().cuda()
+    w["nw2"] = (torch.rand(H, generator=gen) + 0.5).half().cuda()
+    return w
+
+
+def _chain(layers: list[dict], bits: int, cb: torch.Tensor, x: torch.Tensor, variant: str):
+    K = torch.ops.kbit
+    norm = torch.compile(ref.add_rms_norm, fullgraph=True, dynamic=False)
+    silu = torch.compile(ref.silu_mul, fullgraph=True, dynamic=False)
+
+    def lin(t, w):
+        return K.linear(t, w[0], w[1], cb, bits, w[2])
+
+    def run() -> torch.Tensor:
+        h, res = x, torch.zeros_like(x)
+        for w in layers:
+            if variant == "inductor":
+                hn, res = norm(h, res, w["nw1"], 1e-5)
+                qkv = lin(hn, w["qkv"])
+            else:
+                qkv, res = K.linear_add_rms_norm(h, res, w["nw1"], 1e-5, *w["qkv"][:2], cb, bits, QKV)
+            attn = qkv[:, :H] * 0.5  # stand-in: one elementwise kernel, as attention is not kbit's
+            h = lin(attn, w["o"])
+            if variant == "inductor":
+                hn, res = norm(h, res, w["nw2"], 1e-5)
+                gu = lin(hn, w["gu"])
+                h = lin(silu(gu), w["down"])
+            else:
+                gu, res = K.linear_add_rms_norm(h, res, w["nw2"], 1e-5, *w["gu"][:2], cb, bits, 2 * I)
+                h = K.linear_silu_mul(gu, *w["down"][:2], cb, bits, H)
+        return h
+
+    env = {"KBIT_FUSED_GEMV": "0" if variant == "separate" else "1"}
+    return with_env(env, run)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--bits", default="2,4")
+    ap.add_argument("--m", default="1,4")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
+    ap.add_argument("--tag", default="")
+    args = ap.parse_args(argv)
+    _ops.load()
+    meta = run_metadata()
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    for bits in (int(b) for b in args.bits.split(",")):
+        cb = default_codebook(bits).cuda()
+        layers = [_layer_weights(bits, cb, gen) for _ in range(args.layers)]
+        for m in (int(v) for v in args.m.split(",")):
+            x = (torch.randn(m, H, generator=gen) * 0.5).half().cuda()
+            variants = ("inductor", "separate", "fused")
+            fns = {v: [_chain(layers, bits, cb, x, v)] for v in variants}
+            outs = {v: fns[v][0]() for v in variants}
+            dev = max((outs[v].float() - outs["inductor"].float()).abs().max().item() for v in variants)
+            times = time_interleaved(fns, min_reps=20, max_reps=100, target_s=0.5)
+            row = {"bits": bits, "m": m, "layers": args.layers, "max_abs_diff_vs_inductor": dev}
+            for v in variants:
+                t = times[v]
+                if isinstance(t, Exception):
+                    raise t
+                row[f"{v}_us_per_layer"] = round(t.us / args.layers, 2)
+                row[f"{v}_method"] = t.method
+            row["fused_x_inductor"] = round(row["fused_us_per_layer"] / row["inductor_us_per_layer"], 3)
+            row["fused_x_separate"] = round(row["fused_us_per_layer"] / row["separate_us_per_layer"], 3)
+            rows.append(row)
+            print(row, flush=True)
+        del layers
+        torch.cuda.empty_cache()
+    name = f"bench_fused_chain_{meta.get('device_short', 'cpu')}{args.tag}"
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    lines = [f"# Decoder-layer chain, norm / activation folded into the GEMV ({meta.get('device')})",
+             "", f"- command: `{meta['command']}`",
+             f"- date: {meta['date_utc']}, commit {meta['git_commit']}, torch {meta['torch']}",
+             f"- {args.layers} Llama-3.1-8B layers' linear parts in one CUDA graph, median of graph "
+             "replays (us per layer); see the script's docstring for the variants", "",
+             "| k | M | inductor + linear | separate kernels | fused | fused x inductor | fused x separate |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        lines.append(f"| {r['bits']} | {r['m']} | {r['inductor_us_per_layer']} | "
+                     f"{r['separate_us_per_layer']} | {r['fused_us_per_layer']} | "
+                     f"{r['fused_x_inductor']}x | {r['fused_x_separate']}x |")  # fmt: skip
+    (args.out_dir / f"{name}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
