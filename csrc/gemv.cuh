@@ -542,9 +542,10 @@ __device__ __forceinline__ void stage_xpro(uint8_t* xs, const Params& p, const X
         // The norm divides by the rms over all of K, whatever K range this CTA multiplies: every
         // CTA reads the whole rows (M x K x 4 bytes, L2 hits after the first) and sums them itself
         // (fp32, in no fixed order: not bit-identical to the reference's sum, within its rounding).
-        // Four tokens per round, their loads issued together: one token after the other, each
-        // round a dependent L2 round trip + reduction, cost ~0.8 us per token (an 8B layer chain
-        // at M=4 took 1.07-1.11x the unfused time that way).
+        // Four tokens per round, their loads issued together, rather than one dependent L2 round
+        // trip + reduction per token (in an 8B layer chain at M=4: 1.06-1.10x the unfused time
+        // per layer with this, 1.07-1.11x without; the SiLU's exact math below was the larger
+        // cost, benchmarks/results/bench_fused_chain_h100_s36_*.md).
         if (threadIdx.x < kMaxM) s_ss[threadIdx.x] = 0.f;
         __syncthreads();
         for (int m0 = 0; m0 < p.M; m0 += 4) {
