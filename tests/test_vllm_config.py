@@ -55,6 +55,19 @@ def test_registry_and_import_keeps_cuda_uninitialised():
     assert not torch.cuda.is_initialized()
 
 
+def test_kbit_logs_reach_vllms_log():
+    """register() gives the vllm_kbit loggers vLLM's handlers (vLLM configures only "vllm")."""
+    import logging
+
+    vllm_handlers = logging.getLogger("vllm").handlers
+    if not vllm_handlers:
+        pytest.skip("vLLM's logging is not configured here (VLLM_CONFIGURE_LOGGING=0)")
+    vllm_kbit.register()
+    kbit = logging.getLogger("vllm_kbit")
+    assert kbit.handlers == vllm_handlers and not kbit.propagate
+    assert logging.getLogger("vllm_kbit.fusion").getEffectiveLevel() == logging.getLogger("vllm").level
+
+
 def test_defaults_are_online_k4():
     cfg = KbitConfig()
     assert cfg.online and cfg.quant.bits == 4
