@@ -72,6 +72,13 @@ __global__ void silu_mul_kernel(const T* h, int64_t sh, T* out, int64_t M, int K
     }
 }
 
+// f(static_cast<T*>(nullptr)) with T = x's 16-bit float type (the callers checked fp16 / bf16).
+template <typename F>
+void dispatch_half(const at::Tensor& x, F&& f) {
+    if (x.scalar_type() == at::kHalf) f(static_cast<__half*>(nullptr));
+    else f(static_cast<__nv_bfloat16*>(nullptr));
+}
+
 // KBIT_FUSED_GEMV=0: never fold the op into the GEMV (A/B and test hook; read per call).
 bool fused_gemv_enabled() { return env_int("KBIT_FUSED_GEMV", 1) != 0; }
 
@@ -115,21 +122,14 @@ std::tuple<at::Tensor, at::Tensor> linear_add_rms_norm(
                 res_out};
     at::Tensor xn = at::empty({M, K}, x.options());
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-    if (x.scalar_type() == at::kHalf) {
-        add_rms_norm_kernel<__half><<<M, kNormThreads, 0, stream>>>(
-            static_cast<const __half*>(x.data_ptr()), x.stride(0),
-            static_cast<const __half*>(residual.data_ptr()), residual.stride(0),
-            static_cast<const __half*>(norm_weight.data_ptr()), static_cast<__half*>(xn.data_ptr()),
-            static_cast<__half*>(res_out.data_ptr()), static_cast<int>(K), static_cast<float>(eps));
-    } else {
-        add_rms_norm_kernel<__nv_bfloat16><<<M, kNormThreads, 0, stream>>>(
-            static_cast<const __nv_bfloat16*>(x.data_ptr()), x.stride(0),
-            static_cast<const __nv_bfloat16*>(residual.data_ptr()), residual.stride(0),
-            static_cast<const __nv_bfloat16*>(norm_weight.data_ptr()),
-            static_cast<__nv_bfloat16*>(xn.data_ptr()),
-            static_cast<__nv_bfloat16*>(res_out.data_ptr()), static_cast<int>(K),
-            static_cast<float>(eps));
-    }
+    dispatch_half(x, [&](auto* tag) {
+        using T = std::remove_pointer_t<decltype(tag)>;
+        add_rms_norm_kernel<T><<<M, kNormThreads, 0, stream>>>(
+            static_cast<const T*>(x.data_ptr()), x.stride(0),
+            static_cast<const T*>(residual.data_ptr()), residual.stride(0),
+            static_cast<const T*>(norm_weight.data_ptr()), static_cast<T*>(xn.data_ptr()),
+            static_cast<T*>(res_out.data_ptr()), static_cast<int>(K), static_cast<float>(eps));
+    });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return {linear(xn, qweight, absmax, codebook, bits, n), res_out};
 }
@@ -153,14 +153,12 @@ at::Tensor linear_silu_mul(const at::Tensor& h_in, const at::Tensor& qweight,
     at::Tensor a = at::empty({M, K}, h.options());
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
     const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(M * K, 256), 8 * 1024));
-    if (h.scalar_type() == at::kHalf)
-        silu_mul_kernel<__half><<<blocks, 256, 0, stream>>>(
-            static_cast<const __half*>(h.data_ptr()), h.stride(0),
-            static_cast<__half*>(a.data_ptr()), M, static_cast<int>(K));
-    else
-        silu_mul_kernel<__nv_bfloat16><<<blocks, 256, 0, stream>>>(
-            static_cast<const __nv_bfloat16*>(h.data_ptr()), h.stride(0),
-            static_cast<__nv_bfloat16*>(a.data_ptr()), M, static_cast<int>(K));
+    dispatch_half(h, [&](auto* tag) {
+        using T = std::remove_pointer_t<decltype(tag)>;
+        silu_mul_kernel<T><<<blocks, 256, 0, stream>>>(static_cast<const T*>(h.data_ptr()),
+                                                       h.stride(0), static_cast<T*>(a.data_ptr()),
+                                                       M, static_cast<int>(K));
+    });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return linear(a, qweight, absmax, codebook, bits, n);
 }

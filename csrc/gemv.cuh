@@ -658,14 +658,7 @@ __device__ __forceinline__ void stage_act(uint8_t* xs, const Params& p, const Mo
             const uint32_t gw[4] = {gv.x, gv.y, gv.z, gv.w}, uw[4] = {uv.x, uv.y, uv.z, uv.w};
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-                float2 gf, uf;
-                if constexpr (kBF16) {
-                    gf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&gw[i]));
-                    uf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&uw[i]));
-                } else {
-                    gf = __half22float2(*reinterpret_cast<const __half2*>(&gw[i]));
-                    uf = __half22float2(*reinterpret_cast<const __half2*>(&uw[i]));
-                }
+                const float2 gf = unpack2<T>(gw[i]), uf = unpack2<T>(uw[i]);
                 w[q][i] = pack2<kBF16>(act_fn(gf.x, mo.act) * uf.x, act_fn(gf.y, mo.act) * uf.y);
             }
         }
