@@ -10,6 +10,11 @@ norm -> gate_up -> silu * up -> down. Variants, each the whole chain in one CUDA
   separate  kbit::linear_add_rms_norm / linear_silu_mul with KBIT_FUSED_GEMV=0 (kbit's own
             elementwise kernel, then kbit::linear)
   fused     the same ops folded into the GEMV (the default at M <= 8)
+Diagnostic variants (--variants), to price the folded prologues:
+  fused_nosilu  the norms folded as in `fused`, but down is a plain kbit::linear of gu[:, :I]
+                (no activation: fused - fused_nosilu = the SiLU prologue's cost)
+  bare          the four kbit::linear calls only, no norm and no activation (a lower bound:
+                fused_nosilu - bare = the two norm prologues' cost)
 Every layer has its own weights (32 layers of Llama-3.1-8B: 2-4 GB, far beyond L2). Timed with
 benchmarks/timing.py (graph replays, CUDA events, median; the variants interleaved).
 
@@ -63,6 +68,8 @@ def _chain(layers: list[dict], bits: int, cb: torch.Tensor, x: torch.Tensor, var
             if variant == "inductor":
                 hn, res = norm(h, res, w["nw1"], 1e-5)
                 qkv = lin(hn, w["qkv"])
+            elif variant == "bare":
+                qkv = lin(h, w["qkv"])
             else:
                 qkv, res = K.linear_add_rms_norm(h, res, w["nw1"], 1e-5, *w["qkv"][:2], cb, bits, QKV)
             attn = qkv[:, :H] * 0.5  # stand-in: one elementwise kernel, as attention is not kbit's
@@ -71,9 +78,14 @@ def _chain(layers: list[dict], bits: int, cb: torch.Tensor, x: torch.Tensor, var
                 hn, res = norm(h, res, w["nw2"], 1e-5)
                 gu = lin(hn, w["gu"])
                 h = lin(silu(gu), w["down"])
+            elif variant == "bare":
+                h = lin(lin(h, w["gu"])[:, :I], w["down"])
             else:
                 gu, res = K.linear_add_rms_norm(h, res, w["nw2"], 1e-5, *w["gu"][:2], cb, bits, 2 * I)
-                h = K.linear_silu_mul(gu, *w["down"][:2], cb, bits, H)
+                if variant == "fused_nosilu":
+                    h = lin(gu[:, :I], w["down"])
+                else:
+                    h = K.linear_silu_mul(gu, *w["down"][:2], cb, bits, H)
         return h
 
     env = {"KBIT_FUSED_GEMV": "0" if variant == "separate" else "1"}
@@ -85,9 +97,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bits", default="2,4")
     ap.add_argument("--m", default="1,4")
     ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--variants", default="inductor,separate,fused",
+                    help="comma list; inductor first (the reference of the deviations and ratios)")
     ap.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
     ap.add_argument("--tag", default="")
     args = ap.parse_args(argv)
+    variants = tuple(args.variants.split(","))
+    known = ("inductor", "separate", "fused", "fused_nosilu", "bare")
+    if variants[0] != "inductor" or not set(variants) <= set(known):
+        ap.error(f"--variants: inductor first, then any of {known[1:]}; got {args.variants!r}")
     _ops.load()
     meta = run_metadata()
     rows = []
@@ -97,10 +115,11 @@ def main(argv: list[str] | None = None) -> int:
         layers = [_layer_weights(bits, cb, gen) for _ in range(args.layers)]
         for m in (int(v) for v in args.m.split(",")):
             x = (torch.randn(m, H, generator=gen) * 0.5).half().cuda()
-            variants = ("inductor", "separate", "fused")
             fns = {v: [_chain(layers, bits, cb, x, v)] for v in variants}
             outs = {v: fns[v][0]() for v in variants}
-            dev = max((outs[v].float() - outs["inductor"].float()).abs().max().item() for v in variants)
+            # the diagnostic variants compute another function: no deviation for them
+            same = [v for v in variants if v in ("inductor", "separate", "fused")]
+            dev = max((outs[v].float() - outs["inductor"].float()).abs().max().item() for v in same)
             times = time_interleaved(fns, min_reps=20, max_reps=100, target_s=0.5)
             row = {"bits": bits, "m": m, "layers": args.layers, "max_abs_diff_vs_inductor": dev}
             for v in variants:
@@ -109,8 +128,8 @@ def main(argv: list[str] | None = None) -> int:
                     raise t
                 row[f"{v}_us_per_layer"] = round(t.us / args.layers, 2)
                 row[f"{v}_method"] = t.method
-            row["fused_x_inductor"] = round(row["fused_us_per_layer"] / row["inductor_us_per_layer"], 3)
-            row["fused_x_separate"] = round(row["fused_us_per_layer"] / row["separate_us_per_layer"], 3)
+            for v in variants[1:]:
+                row[f"{v}_x_inductor"] = round(row[f"{v}_us_per_layer"] / row["inductor_us_per_layer"], 3)
             rows.append(row)
             print(row, flush=True)
         del layers
@@ -123,12 +142,13 @@ def main(argv: list[str] | None = None) -> int:
              f"- date: {meta['date_utc']}, commit {meta['git_commit']}, torch {meta['torch']}",
              f"- {args.layers} Llama-3.1-8B layers' linear parts in one CUDA graph, median of graph "
              "replays (us per layer); see the script's docstring for the variants", "",
-             "| k | M | inductor + linear | separate kernels | fused | fused x inductor | fused x separate |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| k | M | " + " | ".join(variants) + " | "
+             + " | ".join(f"{v} x inductor" for v in variants[1:]) + " |",
+             "|---|---|" + "---|" * (2 * len(variants) - 1)]  # fmt: skip
     for r in rows:
-        lines.append(f"| {r['bits']} | {r['m']} | {r['inductor_us_per_layer']} | "
-                     f"{r['separate_us_per_layer']} | {r['fused_us_per_layer']} | "
-                     f"{r['fused_x_inductor']}x | {r['fused_x_separate']}x |")  # fmt: skip
+        lines.append(f"| {r['bits']} | {r['m']} | "
+                     + " | ".join(str(r[f"{v}_us_per_layer"]) for v in variants) + " | "
+                     + " | ".join(f"{r[f'{v}_x_inductor']}x" for v in variants[1:]) + " |")  # fmt: skip
     (args.out_dir / f"{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -514,21 +514,9 @@ __device__ __forceinline__ float2 unpack2(uint32_t w) {
         return __half22float2(*reinterpret_cast<const __half2*>(&w));
 }
 
-// Eight consecutive elements (16-byte aligned) as floats.
-template <typename T>
-__device__ __forceinline__ void load8(const T* src, float (&v)[8]) {
-    const uint4 u = *reinterpret_cast<const uint4*>(src);
-    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const float2 f = unpack2<T>(w[i]);
-        v[2 * i] = f.x, v[2 * i + 1] = f.y;
-    }
-}
-
-// The fused x prologues (XPro, dense modes), after pdl_wait: x' of the CTA's K range, one
-// (token m, block bl) job per thread as in load_x / store_x. The host guarantees 16-byte aligned
-// rows of x, res, res_out and nw, so every access is 8 elements wide. `writer`: this CTA writes
+// The fused x prologues (XPro, dense modes), after pdl_wait: x' of the CTA's K range, stored as
+// store_x does. The host guarantees 16-byte aligned rows of x, res, res_out and nw, so every
+// access is 8 elements wide. `writer`: this CTA writes
 // its K range of res_out (the CTAs of group 0 together cover K once).
 template <typename T>
 __device__ __forceinline__ void stage_xpro(uint8_t* xs, const Params& p, const XPro& xp, int k_begin,
@@ -586,51 +574,77 @@ __device__ __forceinline__ void stage_xpro(uint8_t* xs, const Params& p, const X
         }
         __syncthreads();
     }
-    for (int m = 0, bl = threadIdx.x; m < p.M;) {  // job m * nblk + bl, by counters
-        if (bl >= nblk) {
-            bl -= nblk, ++m;
-            continue;
-        }
-        XJob r = {};
-        const int col = (k_begin * kBlocksPerTile + bl) * kBlock;
-        if (col < p.K) {
-            const float rinv = norm ? rsqrtf(s_ss[m] / static_cast<float>(p.K) + xp.eps) : 0.f;
+    // One job per token and 8-column chunk (16 bytes of each input), dealt to all threads, each
+    // thread's jobs taken kB at a time with all their loads issued first. With a 32-column block
+    // per job an 8B qkv / gate_up CTA at M=1 (128 blocks) ran its norm on a quarter of the threads,
+    // 32 dependent columns each; with single chunk jobs the 8B down CTA (1792 chunks at M=1) waited
+    // for ~4 L2 round trips in a row (benchmarks/results/bench_fused_chain_h100_s37_*.md).
+    constexpr int kB = 4;
+    const int nch = nblk * 4;
+    const T* src0 = norm ? res : x;  // the second input: res, or the gate half of h
+    int m = 0, ch = threadIdx.x;
+    while (ch >= nch) ch -= nch, ++m;  // nch < kThreads under split-K
+    while (m < p.M) {
+        int jm[kB], jc[kB];
+        uint4 in[kB][3];  // x (or up), res (or gate), norm weight
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {  // columns col + 8j .. col + 8j + 7
-                const int c = col + 8 * j;
-                float a[8], b[8], o[8];
-                load8<T>(x + m * p.sx + (norm ? c : c + p.K), b);  // x, or the up half of h
+        for (int r = 0; r < kB; ++r) {
+            jm[r] = m, jc[r] = ch;
+            const int c = (k_begin * kBlocksPerTile + (ch >> 2)) * kBlock + 8 * (ch & 3);
+            if (m < p.M && c < p.K) {
+                in[r][0] = *reinterpret_cast<const uint4*>(x + m * p.sx + (norm ? c : c + p.K));
+                in[r][1] = *reinterpret_cast<const uint4*>(src0 + m * (norm ? xp.sres : p.sx) + c);
+                if (norm) in[r][2] = *reinterpret_cast<const uint4*>(nw + c);
+            }
+            ch += kThreads;
+            while (ch >= nch) ch -= nch, ++m;
+        }
+#pragma unroll
+        for (int r = 0; r < kB; ++r) {
+            if (jm[r] >= p.M) break;
+            const int bl = jc[r] >> 2, j = jc[r] & 3;  // block of the CTA's K range, its chunk
+            const int c = (k_begin * kBlocksPerTile + bl) * kBlock + 8 * j;
+            uint32_t w[4] = {0u, 0u, 0u, 0u};  // columns >= K stay 0 (as in load_x)
+            if (c < p.K) {
+                const uint32_t bw[4] = {in[r][0].x, in[r][0].y, in[r][0].z, in[r][0].w};
+                const uint32_t aw[4] = {in[r][1].x, in[r][1].y, in[r][1].z, in[r][1].w};
+                float o[8];
                 if (norm) {
-                    load8<T>(res + m * xp.sres + c, a);
-                    float w8[8];
-                    load8<T>(nw + c, w8);
+                    const uint32_t ww[4] = {in[r][2].x, in[r][2].y, in[r][2].z, in[r][2].w};
+                    const float rinv = rsqrtf(s_ss[jm[r]] / static_cast<float>(p.K) + xp.eps);
                     uint32_t v[4];
 #pragma unroll
-                    for (int i = 0; i < 8; ++i) {
-                        const float s = a[i] + b[i];
-                        a[i] = s;
-                        o[i] = round_to<kBF16>(s * rinv) * w8[i];  // rounded once more by pack2
+                    for (int i = 0; i < 4; ++i) {
+                        const float2 xf = unpack2<T>(bw[i]), rf = unpack2<T>(aw[i]);
+                        const float2 wf = unpack2<T>(ww[i]);
+                        const float s0 = rf.x + xf.x, s1 = rf.y + xf.y;
+                        v[i] = pack2<kBF16>(s0, s1);
+                        // rounded once more by pack2 below
+                        o[2 * i] = round_to<kBF16>(s0 * rinv) * wf.x;
+                        o[2 * i + 1] = round_to<kBF16>(s1 * rinv) * wf.y;
                     }
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) v[i] = pack2<kBF16>(a[2 * i], a[2 * i + 1]);
                     if (writer)
-                        *reinterpret_cast<uint4*>(static_cast<T*>(xp.res_out) + m * p.K + c) =
+                        *reinterpret_cast<uint4*>(static_cast<T*>(xp.res_out) + jm[r] * p.K + c) =
                             make_uint4(v[0], v[1], v[2], v[3]);
                 } else {
-                    load8<T>(x + m * p.sx + c, a);  // gate half
                     // Every CTA computes the activation of its whole K range (at M=4 and 8B down
                     // 57k values per CTA): fast exp and division (~2 ulp in fp32, below the
                     // rounding to x.dtype) instead of expf and an IEEE divide.
 #pragma unroll
-                    for (int i = 0; i < 8; ++i)
-                        o[i] = round_to<kBF16>(__fdividef(a[i], 1.0f + __expf(-a[i]))) * b[i];
+                    for (int i = 0; i < 4; ++i) {
+                        const float2 u = unpack2<T>(bw[i]), g = unpack2<T>(aw[i]);
+                        o[2 * i] = round_to<kBF16>(__fdividef(g.x, 1.0f + __expf(-g.x))) * u.x;
+                        o[2 * i + 1] = round_to<kBF16>(__fdividef(g.y, 1.0f + __expf(-g.y))) * u.y;
+                    }
                 }
 #pragma unroll
-                for (int t = 0; t < 4; ++t) r.w[j][t] = pack2<kBF16>(o[2 * t], o[2 * t + 1]);
+                for (int t = 0; t < 4; ++t) w[t] = pack2<kBF16>(o[2 * t], o[2 * t + 1]);
             }
+            // store_x's layout: pair 4j + t of the block is word j of lane t's 16 bytes
+            uint8_t* dst = xs + jm[r] * p.xrow + bl * 64 + j * 4;
+#pragma unroll
+            for (int t = 0; t < 4; ++t) *reinterpret_cast<uint32_t*>(dst + t * 16) = w[t];
         }
-        store_x(xs, p, m, bl, r);
-        bl += kThreads;
     }
 }
 
