@@ -38,6 +38,10 @@ from vllm_kbit import reference as ref  # noqa: E402
 from vllm_kbit.format import default_codebook  # noqa: E402
 
 H, I, QKV = 4096, 14336, 6144  # Llama-3.1-8B
+# Variants computing the decoder chain (compared with inductor), then the diagnostic ones (another
+# function: timed only).
+SAME_FUNCTION = ("inductor", "separate", "fused")
+DIAGNOSTIC = ("fused_nosilu", "bare")
 
 
 def _layer_weights(bits: int, cb: torch.Tensor, gen: torch.Generator) -> dict:
@@ -103,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tag", default="")
     args = ap.parse_args(argv)
     variants = tuple(args.variants.split(","))
-    known = ("inductor", "separate", "fused", "fused_nosilu", "bare")
+    known = SAME_FUNCTION + DIAGNOSTIC
     if variants[0] != "inductor" or not set(variants) <= set(known):
         ap.error(f"--variants: inductor first, then any of {known[1:]}; got {args.variants!r}")
     _ops.load()
@@ -117,8 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             x = (torch.randn(m, H, generator=gen) * 0.5).half().cuda()
             fns = {v: [_chain(layers, bits, cb, x, v)] for v in variants}
             outs = {v: fns[v][0]() for v in variants}
-            # the diagnostic variants compute another function: no deviation for them
-            same = [v for v in variants if v in ("inductor", "separate", "fused")]
+            same = [v for v in variants if v in SAME_FUNCTION]
             dev = max((outs[v].float() - outs["inductor"].float()).abs().max().item() for v in same)
             times = time_interleaved(fns, min_reps=20, max_reps=100, target_s=0.5)
             row = {"bits": bits, "m": m, "layers": args.layers, "max_abs_diff_vs_inductor": dev}

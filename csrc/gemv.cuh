@@ -516,8 +516,8 @@ __device__ __forceinline__ float2 unpack2(uint32_t w) {
 
 // The fused x prologues (XPro, dense modes), after pdl_wait: x' of the CTA's K range, stored as
 // store_x does. The host guarantees 16-byte aligned rows of x, res, res_out and nw, so every
-// access is 8 elements wide. `writer`: this CTA writes
-// its K range of res_out (the CTAs of group 0 together cover K once).
+// access is 8 elements wide. `writer`: this CTA writes its K range of res_out (the CTAs of group
+// 0 together cover K once).
 template <typename T>
 __device__ __forceinline__ void stage_xpro(uint8_t* xs, const Params& p, const XPro& xp, int k_begin,
                                         int nblk, bool writer, float* s_ss) {
