@@ -514,28 +514,51 @@ __device__ __forceinline__ float2 unpack2(uint32_t w) {
         return __half22float2(*reinterpret_cast<const __half2*>(&w));
 }
 
+// Sum over 8 columns of (x + res)^2 in fp32 (x, res: 16 bytes of T each).
+template <typename T>
+__device__ __forceinline__ float sum_sq(const uint4& xa, const uint4& ra) {
+    const uint32_t xw[4] = {xa.x, xa.y, xa.z, xa.w}, rw[4] = {ra.x, ra.y, ra.z, ra.w};
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 u = unpack2<T>(xw[i]), v = unpack2<T>(rw[i]);
+        ss = fmaf(u.x + v.x, u.x + v.x, ss);
+        ss = fmaf(u.y + v.y, u.y + v.y, ss);
+    }
+    return ss;
+}
+
 // The fused x prologues (XPro, dense modes), after pdl_wait: x' of the CTA's K range, stored as
 // store_x does. The host guarantees 16-byte aligned rows of x, res, res_out and nw, so every
 // access is 8 elements wide. `writer`: this CTA writes its K range of res_out (the CTAs of group
-// 0 together cover K once).
+// 0 together cover K once). s_ss: the per-token sums of squares, zeroed by the caller before a
+// __syncthreads.
+//
+// Jobs: one per token and 8-column chunk (16 bytes of each input), dealt to all threads, each
+// thread's jobs taken kB at a time with all their loads issued first. With a 32-column block per
+// job an 8B qkv / gate_up CTA at M=1 (128 blocks) ran its norm on a quarter of the threads, 32
+// dependent columns each; with single chunk jobs the 8B down CTA (1792 chunks at M=1) waited for
+// ~4 L2 round trips in a row (benchmarks/results/bench_fused_chain_h100_s37_*.md).
+//
+// The norm divides by the rms over all of K, whatever K range this CTA multiplies: every CTA
+// sums the whole rows itself (fp32, in no fixed order: not bit-identical to the reference's sum,
+// within its rounding). Where the CTA's K range is all of K and its jobs fit in one batch of kB
+// per thread (8B and 70B shapes at M <= 4 resp. 2, no split-K), the batch's loads serve both the
+// sum and x' (one pass: every CTA reads x, res and nw once, 24 KB at K = 4096, all 132 CTAs at
+// once from the same L2 lines). Otherwise a first pass sums the rows, four tokens per round with
+// their loads issued together, and the batches re-read them.
 template <typename T>
 __device__ __forceinline__ void stage_xpro(uint8_t* xs, const Params& p, const XPro& xp, int k_begin,
                                         int nblk, bool writer, float* s_ss) {
     constexpr bool kBF16 = std::is_same_v<T, __nv_bfloat16>;
+    constexpr int kB = 4;
     const T* x = static_cast<const T*>(p.x);
     const T* res = static_cast<const T*>(xp.res);
     const T* nw = static_cast<const T*>(xp.nw);
     const bool norm = xp.mode == kXAddNorm;
-    if (norm) {
-        // The norm divides by the rms over all of K, whatever K range this CTA multiplies: every
-        // CTA reads the whole rows (M x K x 4 bytes, L2 hits after the first) and sums them itself
-        // (fp32, in no fixed order: not bit-identical to the reference's sum, within its rounding).
-        // Four tokens per round, their loads issued together, rather than one dependent L2 round
-        // trip + reduction per token (in an 8B layer chain at M=4: 1.06-1.10x the unfused time
-        // per layer with this, 1.07-1.11x without; the SiLU's exact math below was the larger
-        // cost, benchmarks/results/bench_fused_chain_h100_s36_*.md).
-        if (threadIdx.x < kMaxM) s_ss[threadIdx.x] = 0.f;
-        __syncthreads();
+    const int nch = nblk * 4;
+    const bool one_pass = norm && p.splits == 1 && p.M * nch <= kB * kThreads;
+    if (norm && !one_pass) {
         for (int m0 = 0; m0 < p.M; m0 += 4) {
             float ss[4] = {0.f, 0.f, 0.f, 0.f};
             for (int c = threadIdx.x * 8; c < p.K; c += kThreads * 8) {
@@ -548,18 +571,8 @@ __device__ __forceinline__ void stage_xpro(uint8_t* xs, const Params& p, const X
                     }
                 }
 #pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    if (m0 + j < p.M) {
-                        const uint32_t xw[4] = {xa[j].x, xa[j].y, xa[j].z, xa[j].w};
-                        const uint32_t rw[4] = {ra[j].x, ra[j].y, ra[j].z, ra[j].w};
-#pragma unroll
-                        for (int i = 0; i < 4; ++i) {
-                            const float2 u = unpack2<T>(xw[i]), v = unpack2<T>(rw[i]);
-                            ss[j] = fmaf(u.x + v.x, u.x + v.x, ss[j]);
-                            ss[j] = fmaf(u.y + v.y, u.y + v.y, ss[j]);
-                        }
-                    }
-                }
+                for (int j = 0; j < 4; ++j)
+                    if (m0 + j < p.M) ss[j] += sum_sq<T>(xa[j], ra[j]);
             }
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
@@ -574,23 +587,18 @@ __device__ __forceinline__ void stage_xpro(uint8_t* xs, const Params& p, const X
         }
         __syncthreads();
     }
-    // One job per token and 8-column chunk (16 bytes of each input), dealt to all threads, each
-    // thread's jobs taken kB at a time with all their loads issued first. With a 32-column block
-    // per job an 8B qkv / gate_up CTA at M=1 (128 blocks) ran its norm on a quarter of the threads,
-    // 32 dependent columns each; with single chunk jobs the 8B down CTA (1792 chunks at M=1) waited
-    // for ~4 L2 round trips in a row (benchmarks/results/bench_fused_chain_h100_s37_*.md).
-    constexpr int kB = 4;
-    const int nch = nblk * 4;
     const T* src0 = norm ? res : x;  // the second input: res, or the gate half of h
     int m = 0, ch = threadIdx.x;
     while (ch >= nch) ch -= nch, ++m;  // nch < kThreads under split-K
-    while (m < p.M) {
+    // At least one batch per thread, also where it has no job: the one-pass batch has a barrier.
+    do {
         int jm[kB], jc[kB];
         uint4 in[kB][3];  // x (or up), res (or gate), norm weight
 #pragma unroll
         for (int r = 0; r < kB; ++r) {
             jm[r] = m, jc[r] = ch;
             const int c = (k_begin * kBlocksPerTile + (ch >> 2)) * kBlock + 8 * (ch & 3);
+            in[r][0] = in[r][1] = make_uint4(0u, 0u, 0u, 0u);  // columns >= K: 0 (as in load_x)
             if (m < p.M && c < p.K) {
                 in[r][0] = *reinterpret_cast<const uint4*>(x + m * p.sx + (norm ? c : c + p.K));
                 in[r][1] = *reinterpret_cast<const uint4*>(src0 + m * (norm ? xp.sres : p.sx) + c);
@@ -598,6 +606,21 @@ __device__ __forceinline__ void stage_xpro(uint8_t* xs, const Params& p, const X
             }
             ch += kThreads;
             while (ch >= nch) ch -= nch, ++m;
+        }
+        if (one_pass) {  // the sums of this (only) batch: per job slot, one add per warp and token
+#pragma unroll
+            for (int r = 0; r < kB; ++r) {
+                float ss = sum_sq<T>(in[r][0], in[r][1]);
+                const int m0 = __shfl_sync(0xffffffffu, jm[r], 0);
+                if (__all_sync(0xffffffffu, jm[r] == m0)) {  // nch % 32 == 0: always
+#pragma unroll
+                    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+                    if ((threadIdx.x & 31) == 0 && m0 < p.M) atomicAdd(s_ss + m0, ss);
+                } else if (jm[r] < p.M) {
+                    atomicAdd(s_ss + jm[r], ss);
+                }
+            }
+            __syncthreads();
         }
 #pragma unroll
         for (int r = 0; r < kB; ++r) {
@@ -645,7 +668,7 @@ __device__ __forceinline__ void stage_xpro(uint8_t* xs, const Params& p, const X
 #pragma unroll
             for (int t = 0; t < 4; ++t) *reinterpret_cast<uint32_t*>(dst + t * 16) = w[t];
         }
-    }
+    } while (m < p.M);
 }
 
 // kMoeDown: half h (columns 16h .. 16h + 15) of block bl of the CTA's K' range for token m, =
@@ -796,6 +819,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if constexpr (!kMoe) load_ring();
 
     if (threadIdx.x < (1 << kBits)) cb_s[threadIdx.x] = cbv;
+    if (!kMoe && threadIdx.x < kMaxM) s_ss[threadIdx.x] = 0.f;  // stage_xpro's sums
     if (kMoe && threadIdx.x < mo.S) s_e[threadIdx.x] = se, s_w[threadIdx.x] = sw;
     __syncthreads();
     if constexpr (kMoe) load_ring();  // MoE: the first addresses needed the slots' experts
