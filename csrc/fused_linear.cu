@@ -45,8 +45,7 @@ __global__ void __launch_bounds__(kNormThreads)
         const float v = to_f(x[c]) + to_f(res[c]);
         ss = fmaf(v, v, ss);
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    ss = warp_sum(ss);
     if ((threadIdx.x & 31) == 0) warp_ss[threadIdx.x >> 5] = ss;
     __syncthreads();
     float total = 0.f;

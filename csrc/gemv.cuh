@@ -575,10 +575,7 @@ __device__ __forceinline__ void stage_xpro(uint8_t* xs, const Params& p, const X
                     if (m0 + j < p.M) ss[j] += sum_sq<T>(xa[j], ra[j]);
             }
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-#pragma unroll
-                for (int o = 16; o > 0; o >>= 1) ss[j] += __shfl_xor_sync(0xffffffffu, ss[j], o);
-            }
+            for (int j = 0; j < 4; ++j) ss[j] = warp_sum(ss[j]);
             if ((threadIdx.x & 31) == 0) {
 #pragma unroll
                 for (int j = 0; j < 4; ++j)
@@ -598,7 +595,7 @@ __device__ __forceinline__ void stage_xpro(uint8_t* xs, const Params& p, const X
         for (int r = 0; r < kB; ++r) {
             jm[r] = m, jc[r] = ch;
             const int c = (k_begin * kBlocksPerTile + (ch >> 2)) * kBlock + 8 * (ch & 3);
-            in[r][0] = in[r][1] = make_uint4(0u, 0u, 0u, 0u);  // columns >= K: 0 (as in load_x)
+            in[r][0] = in[r][1] = make_uint4(0u, 0u, 0u, 0u);  // no job: adds 0 to the one-pass sums
             if (m < p.M && c < p.K) {
                 in[r][0] = *reinterpret_cast<const uint4*>(x + m * p.sx + (norm ? c : c + p.K));
                 in[r][1] = *reinterpret_cast<const uint4*>(src0 + m * (norm ? xp.sres : p.sx) + c);
@@ -610,12 +607,11 @@ __device__ __forceinline__ void stage_xpro(uint8_t* xs, const Params& p, const X
         if (one_pass) {  // the sums of this (only) batch: per job slot, one add per warp and token
 #pragma unroll
             for (int r = 0; r < kB; ++r) {
-                float ss = sum_sq<T>(in[r][0], in[r][1]);
+                const float ss = sum_sq<T>(in[r][0], in[r][1]);
                 const int m0 = __shfl_sync(0xffffffffu, jm[r], 0);
                 if (__all_sync(0xffffffffu, jm[r] == m0)) {  // nch % 32 == 0: always
-#pragma unroll
-                    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-                    if ((threadIdx.x & 31) == 0 && m0 < p.M) atomicAdd(s_ss + m0, ss);
+                    const float warp_ss = warp_sum(ss);
+                    if ((threadIdx.x & 31) == 0 && m0 < p.M) atomicAdd(s_ss + m0, warp_ss);
                 } else if (jm[r] < p.M) {
                     atomicAdd(s_ss + jm[r], ss);
                 }

@@ -189,6 +189,13 @@ __device__ __forceinline__ float round_to(float v) {
     else return __half2float(__float2half_rn(v));
 }
 
+// v summed over the 32 lanes of a full warp (butterfly: every lane gets the sum).
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
 __device__ __forceinline__ float act_fn(float v, int act) {
     if (act == kSilu) return v / (1.0f + expf(-v));
     if (act == kGelu) return 0.5f * v * (1.0f + erff(v * 0.70710678118654752f));
