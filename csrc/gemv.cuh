@@ -730,11 +730,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     // Dense modes let the next PDL kernel launch now rather than after the main loop: its CTAs
     // cannot start before ours leave their SMs (one CTA per SM: 512 threads x 128 registers),
     // but they are then placed as each SM frees, without waiting for the launch of a grid, and
-    // start copying their table and first tiles. All of that kernel's reads of our output wait
-    // in its pdl_wait(), which returns when this whole grid has completed. H100, 32 8B layers'
-    // linear parts in one CUDA graph (benchmarks/results/chain_trigger_h100_s39.md): 0.97-0.99x
-    // the time per layer at k = 2 / 4, M = 1 / 2 (k=2, M=1: 44.1-44.4 -> 43.5-43.7 us). The MoE
-    // modes keep the trigger after the loop (not measured).
+    // start copying their table and first tiles. That kernel reads our output only after its
+    // pdl_wait(), which returns when this whole grid has completed, and writes nothing before it
+    // (the rule of kbit_format.cuh), so our reads of x after this point stay safe even where it
+    // reuses x's memory. H100, 32 8B layers' linears in one CUDA graph
+    // (benchmarks/results/chain_trigger_h100_s39/README.md): 0.97-0.99x the time per layer at
+    // k = 2 / 4, M = 1 / 2 (k=2, M=1: 44.1-44.4 -> 43.5-43.7 us). Two CTAs per SM (12 warps, 80
+    // registers) so that the next kernel's CTA could wait beside ours took 1.5-1.8x. The MoE modes
+    // keep the trigger after the loop (not measured).
     if constexpr (!kMoe) pdl_trigger();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     // Integer divisions are ~100-cycle dependent chains (no hardware divider): none where a

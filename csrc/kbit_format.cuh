@@ -56,10 +56,11 @@ __device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[
 }
 
 // Programmatic dependent launch (sm_90): a kernel launched with the PDL attribute may start
-// while the previous kernel on the stream drains. It must not touch memory that earlier kernels
-// write (activations, outputs, workspaces) before pdl_wait(), which returns once they have
-// completed and flushed; constant data (weights, codebook) may be read before. pdl_trigger()
-// lets the next PDL kernel start its own prologue. Both are no-ops without PDL / before sm_90.
+// while the previous kernel on the stream still runs. Before pdl_wait() it must not read memory
+// that earlier kernels write (activations, outputs, workspaces) nor write global memory at all
+// (an earlier kernel may still read the memory its output reuses); pdl_wait() returns once the
+// previous grid has completed and flushed. Constant data (weights, codebook) may be read before.
+// pdl_trigger() lets the next PDL kernel launch. Both are no-ops without PDL / before sm_90.
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
