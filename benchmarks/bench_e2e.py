@@ -172,21 +172,55 @@ def worker(args: argparse.Namespace) -> None:
     load_s = time.perf_counter() - t0
     print(json.dumps({"event": "loaded", "method": args.method, "load_s": load_s}), flush=True)
     sp = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    pin = args.pin_threads or os.environ.get("KBIT_E2E_PIN_THREADS") == "1"
+    if pin and args.warmup < 1:
+        raise ValueError("bench_e2e: --pin-threads picks the threads during the first warm-up: --warmup >= 1")
     vocab = 1000
     for b in args.batch:
         prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % vocab + 10 for j in range(args.input_len)]}
                    for i in range(b)]  # fmt: skip
-        llm.generate(prompts, sp, use_tqdm=False)  # warm-up
+        warm, pinned = [], None
+        for i in range(args.warmup):  # discarded: the first generates after start run slow
+            t, cpu0 = time.perf_counter(), thread_cpu() if pin and i == 0 else None
+            llm.generate(prompts, sp, use_tqdm=False)
+            warm.append(time.perf_counter() - t)
+            if cpu0 is not None:  # pinned by what the first warm-up kept busy; the rest run pinned
+                pinned = pin_busy_threads(cpu0, thread_cpu(), warm[-1], parse_cpus(args.cpus) if args.cpus
+                                          else sorted(os.sched_getaffinity(0)))  # fmt: skip
         times = []
+        cpu0, t0 = (thread_cpu(), time.perf_counter()) if args.threads else (None, 0.0)
         for _ in range(args.repeats):
             t = time.perf_counter()
             outs = llm.generate(prompts, sp, use_tqdm=False)
             times.append(time.perf_counter() - t)
         n_out = sum(len(o.outputs[0].token_ids) for o in outs)
         med = statistics.median(times)
-        print(json.dumps({"event": "result", "method": args.method, "batch": b, "output_tokens": n_out,
-                          "seconds_median": med, "seconds_all": times, "output_tok_s": n_out / med,
-                          "load_s": load_s}), flush=True)  # fmt: skip
+        ev = {"event": "result", "method": args.method, "batch": b, "output_tokens": n_out,
+              "seconds_median": med, "seconds_all": times, "seconds_warmup": warm,
+              "output_tok_s": n_out / med, "load_s": load_s}  # fmt: skip
+        if cpu0 is not None:
+            ev["threads"] = busiest_threads(cpu0, thread_cpu(), time.perf_counter() - t0)
+        if pinned is not None:
+            ev["pinned"] = pinned
+        print(json.dumps(ev), flush=True)
+        if args.host_profile_file:  # the engine runs in this process (main sets it): its host work
+            import cProfile
+            import pstats
+
+            prof, t = cProfile.Profile(), time.perf_counter()
+            prof.enable()
+            llm.generate(prompts, sp, use_tqdm=False)
+            prof.disable()
+            t = time.perf_counter() - t
+            path = f"{args.host_profile_file}_b{b}.txt"
+            with open(path, "w") as f:
+                f.write(f"# {args.method}, batch {b}: one generate of {args.output_len} tokens under cProfile, "
+                        f"{t:.3f} s (untimed median {med:.3f} s); the engine ran in this process\n")
+                st = pstats.Stats(prof, stream=f)
+                st.sort_stats("cumulative").print_stats(60)
+                st.sort_stats("tottime").print_stats(40)
+            print(json.dumps({"event": "host_profile", "method": args.method, "batch": b,
+                              "seconds": t, "file": path}), flush=True)  # fmt: skip
         if args.profile_dir:  # vLLM restarts its profiler: one trace file per start/stop
             llm.start_profile()
             outs = llm.generate(prompts, sp, use_tqdm=False)
@@ -195,6 +229,78 @@ def worker(args: argparse.Namespace) -> None:
             print(json.dumps({"event": "profile", "method": args.method, "batch": b,
                               "output_tokens": n_out, "dir": args.profile_dir}), flush=True)  # fmt: skip
     os._exit(0)  # a finished LLM can hang at exit (engine process)
+
+
+def thread_cpu(root: int | None = None) -> dict[int, tuple[int, str, float, int]]:
+    """CPU seconds so far of every thread of process `root` (default: this one) and of its
+    descendants (vLLM's engine process): {tid: (pid, name, seconds, CPU it last ran on)},
+    from /proc (Linux)."""
+    root = os.getpid() if root is None else root
+    tick = os.sysconf("SC_CLK_TCK")
+    parent = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:  # "pid (comm) state ppid ...": comm may hold spaces and parentheses
+                parent[int(d.name)] = int((d / "stat").read_text().rpartition(")")[2].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass  # exited meanwhile
+    pids, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        pids.append(pid)
+        todo += [c for c, pp in parent.items() if pp == pid]
+    out = {}
+    for pid in pids:
+        for t in Path(f"/proc/{pid}/task").glob("*"):
+            try:
+                stat = (t / "stat").read_text()
+            except OSError:
+                continue
+            name = stat[stat.index("(") + 1 : stat.rindex(")")]
+            f = stat.rpartition(")")[2].split()  # f[0] = state (field 3): field n is f[n - 3]
+            out[int(t.name)] = (pid, name, (int(f[11]) + int(f[12])) / tick, int(f[36]))
+    return out
+
+
+def busiest_threads(before: dict, after: dict, wall_s: float, top: int = 8) -> list[dict]:
+    """The `top` threads by CPU time between two thread_cpu() snapshots, as a share of wall_s:
+    which of vLLM's threads a batch-1 decode step waits on (the host side of the step)."""
+    rows = [{"pid": pid, "tid": tid, "name": name, "busy": round((s - before.get(tid, (0, "", 0.0))[2]) / wall_s, 3),
+             "cpu": cpu} for tid, (pid, name, s, cpu) in after.items()]  # fmt: skip
+    return sorted(rows, key=lambda r: -r["busy"])[:top]
+
+
+def core_order(cpus: list[int]) -> list[int]:
+    """`cpus` with one CPU per physical core first (sysfs thread_siblings_list; hyperthreads of
+    one core share its pipelines), then the siblings."""
+    first, rest, seen = [], [], set()
+    for c in cpus:
+        try:
+            sib = Path(f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list").read_text().strip()
+        except OSError:
+            sib = str(c)
+        (rest if sib in seen else first).append(c)
+        seen.add(sib)
+    return first + rest
+
+
+def pin_busy_threads(before: dict, after: dict, wall_s: float, cpus: list[int],
+                     min_busy: float = 0.05) -> list[dict]:
+    """Give each thread that was busy >= min_busy of wall_s between two thread_cpu() snapshots
+    a CPU of its own (busiest first, one per physical core first) and every other thread of the
+    processes the CPUs left over (all of `cpus` if none are left). At batch 1 a decode step waits
+    on a handful of Python threads in two processes (vLLM's engine and its client); left to the
+    kernel's scheduler they share and migrate between CPUs, differently in every engine instance."""
+    busy = [r for r in busiest_threads(before, after, wall_s, top=len(cpus)) if r["busy"] >= min_busy]
+    order = core_order(cpus)
+    own = {r["tid"]: order[i] for i, r in enumerate(busy[: len(order) - 1])}  # leave one for the rest
+    spare = [c for c in order if c not in own.values()] or order
+    for tid in after:
+        try:
+            os.sched_setaffinity(tid, [own[tid]] if tid in own else spare)
+        except OSError:
+            pass  # exited meanwhile
+    return [r | {"pinned_to": own[r["tid"]]} for r in busy if r["tid"] in own]
 
 
 def _git_head() -> str:
@@ -248,7 +354,7 @@ def write_table(res: dict, path: Path) -> None:
              f"{res['meta']['cuda']}, commit {res['meta']['git_commit'][:10]}",
              f"- model: {res['meta']['model_desc']}, dummy weights, input {res['meta']['input_len']} / "
              f"output {res['meta']['output_len']} tokens, greedy, ignore_eos; median of "
-             f"{res['meta']['repeats']} runs after a warm-up", "",
+             f"{res['meta']['repeats']} runs after {res['meta'].get('warmup', 1)} warm-up run(s)", "",
              "| method | load s | weights GiB | " + " | ".join(f"batch {b} tok/s (x {res['baseline']})" for b in batches) + " |",
              "|---|---|---|" + "---|" * len(batches)]  # fmt: skip
     for m in methods:
@@ -315,6 +421,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=3,
+                   help="discarded generates per batch size before the timed ones (default 3: "
+                        "the first one or two after the start ran up to 29%% slow at batch 1)")  # fmt: skip
+    p.add_argument("--pin-threads", action="store_true",
+                   help="after the warm-up, pin each busy host thread to a CPU of its own (of --cpus), "
+                        "the others to the rest (KBIT_E2E_PIN_THREADS=1 does it per method: a variant)")  # fmt: skip
+    p.add_argument("--threads", action="store_true",
+                   help="record the busiest host threads (CPU share, CPU) during the timed runs")  # fmt: skip
     p.add_argument("--dtype", default="float16", help="model dtype for every method")
     p.add_argument("--gpu-mem", type=float, default=0.85)
     p.add_argument(
@@ -332,7 +446,12 @@ def main(argv: list[str] | None = None) -> None:
                    help="also profile one generate per batch size (see above)")  # fmt: skip
     p.add_argument("--variant", action="append", default=[],
                    help="NAME:VAR=VALUE,... (KBIT_* or VLLM_*) for methods METHOD+NAME (see above)")  # fmt: skip
+    p.add_argument("--host-profile", action="store_true",
+                   help="also run one generate per batch size under cProfile, with vLLM's engine in "
+                        "the worker's process (VLLM_ENABLE_V1_MULTIPROCESSING=0 for every method): "
+                        "where the host time of a step goes, in bench_e2e{tag}_{method}_b{batch}_host.txt")  # fmt: skip
     p.add_argument("--profile-dir", help=argparse.SUPPRESS)
+    p.add_argument("--host-profile-file", help=argparse.SUPPRESS)
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -363,7 +482,7 @@ def main(argv: list[str] | None = None) -> None:
         meta = versions() | {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                              "command": " ".join([Path(sys.argv[0]).name] + (argv or sys.argv[1:])),
                              "input_len": args.input_len, "output_len": args.output_len,
-                             "repeats": args.repeats, "dtype": args.dtype,
+                             "repeats": args.repeats, "warmup": args.warmup, "dtype": args.dtype,
                              "model_desc": (args.config or SHAPES[args.shape][1]) +
                                            (f", {args.layers} layer(s)" if args.layers else ""),
                              "cpus": args.cpus or "all"}  # fmt: skip
@@ -384,21 +503,26 @@ def main(argv: list[str] | None = None) -> None:
             continue
         cmd = [sys.executable, __file__, "--worker", m, "--model", str(mdir), "--batch",
                ",".join(map(str, todo)), "--input-len", str(args.input_len), "--output-len",
-               str(args.output_len), "--repeats", str(args.repeats), "--dtype",
+               str(args.output_len), "--repeats", str(args.repeats), "--warmup", str(args.warmup), "--dtype",
                args.dtype,
                "--gpu-mem", str(args.gpu_mem)] + (["--eager"] if args.eager else []) + (
+               ["--threads"] if args.threads else []) + (["--pin-threads"] if args.pin_threads else []) + (
                ["--cpus", args.cpus] if args.cpus else [])  # fmt: skip
         if args.profile:
             pdir = Path("/tmp/kbit-e2e/profile") / m
             shutil.rmtree(pdir, ignore_errors=True)
             pdir.mkdir(parents=True)
             cmd += ["--profile-dir", str(pdir)]
+        env = method_env(m, variants=variants)
+        if args.host_profile:
+            cmd += ["--host-profile-file", str(out / f"bench_e2e{args.tag}_{re.sub(r'[^A-Za-z0-9_.-]', '_', m)}_host")]
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         print(f"[{m}] starting: batches {todo}", flush=True)
         t0 = time.time()
         log = out / f"bench_e2e{args.tag}_{re.sub(r'[^A-Za-z0-9_.-]', '_', m)}.log"  # no @ or +
         with open(log, "w") as f:
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=f, text=True,
-                                    start_new_session=True, env=method_env(m, variants=variants))
+                                    start_new_session=True, env=env)
             try:
                 # vLLM's engine process inherits the pipe and can outlive the worker: never wait
                 # for EOF; poll, and stop once the worker has exited and its lines are read.
