@@ -14,6 +14,11 @@ file as they finish, and finished (method, batch) pairs are skipped when re-run.
 ``--profile`` adds, after the timed runs of each batch size, one more generate under vLLM's torch
 profiler (``profiler_config``) and a table of where the GPU time per output token goes
 (``trace_summary.py``: kernel families, top kernels, GPU idle share) in ``bench_e2e{tag}_profile.md``.
+The host side of a step: ``--threads`` records the busiest host threads during the timed runs
+(at batch 1 vLLM's engine-core thread: ~100% busy when the step waits on it, ~45% for fp16's
+GPU-bound step), ``--host-profile`` runs one more generate under cProfile with the engine in the
+worker's process (``bench_e2e{tag}_{method}_b{batch}_host.txt``). Each batch size's timed runs
+follow ``--warmup`` discarded generates (default 3).
 
 A method is ``kbitK`` (online k-bit), ``kbitKlm`` (the same with the lm_head quantized too,
 config key ``quantize_lm_head``), either of them + ``pdl`` (run with ``KBIT_PDL=1`` set; the
@@ -172,21 +177,15 @@ def worker(args: argparse.Namespace) -> None:
     load_s = time.perf_counter() - t0
     print(json.dumps({"event": "loaded", "method": args.method, "load_s": load_s}), flush=True)
     sp = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
-    pin = args.pin_threads or os.environ.get("KBIT_E2E_PIN_THREADS") == "1"
-    if pin and args.warmup < 1:
-        raise ValueError("bench_e2e: --pin-threads picks the threads during the first warm-up: --warmup >= 1")
     vocab = 1000
     for b in args.batch:
         prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % vocab + 10 for j in range(args.input_len)]}
                    for i in range(b)]  # fmt: skip
-        warm, pinned = [], None
-        for i in range(args.warmup):  # discarded: the first generates after start run slow
-            t, cpu0 = time.perf_counter(), thread_cpu() if pin and i == 0 else None
+        warm = []
+        for _ in range(args.warmup):  # discarded: the first generates after start run slow
+            t = time.perf_counter()
             llm.generate(prompts, sp, use_tqdm=False)
             warm.append(time.perf_counter() - t)
-            if cpu0 is not None:  # pinned by what the first warm-up kept busy; the rest run pinned
-                pinned = pin_busy_threads(cpu0, thread_cpu(), warm[-1], parse_cpus(args.cpus) if args.cpus
-                                          else sorted(os.sched_getaffinity(0)))  # fmt: skip
         times = []
         cpu0, t0 = (thread_cpu(), time.perf_counter()) if args.threads else (None, 0.0)
         for _ in range(args.repeats):
@@ -200,8 +199,6 @@ def worker(args: argparse.Namespace) -> None:
               "output_tok_s": n_out / med, "load_s": load_s}  # fmt: skip
         if cpu0 is not None:
             ev["threads"] = busiest_threads(cpu0, thread_cpu(), time.perf_counter() - t0)
-        if pinned is not None:
-            ev["pinned"] = pinned
         print(json.dumps(ev), flush=True)
         if args.host_profile_file:  # the engine runs in this process (main sets it): its host work
             import cProfile
@@ -214,8 +211,9 @@ def worker(args: argparse.Namespace) -> None:
             t = time.perf_counter() - t
             path = f"{args.host_profile_file}_b{b}.txt"
             with open(path, "w") as f:
-                f.write(f"# {args.method}, batch {b}: one generate of {args.output_len} tokens under cProfile, "
-                        f"{t:.3f} s (untimed median {med:.3f} s); the engine ran in this process\n")
+                f.write(f"# {args.method}, batch {b}: one generate of {args.output_len} tokens "
+                        f"under cProfile, {t:.3f} s (untimed median {med:.3f} s); the engine ran "
+                        "in this process\n")
                 st = pstats.Stats(prof, stream=f)
                 st.sort_stats("cumulative").print_stats(60)
                 st.sort_stats("tottime").print_stats(40)
@@ -265,42 +263,10 @@ def thread_cpu(root: int | None = None) -> dict[int, tuple[int, str, float, int]
 def busiest_threads(before: dict, after: dict, wall_s: float, top: int = 8) -> list[dict]:
     """The `top` threads by CPU time between two thread_cpu() snapshots, as a share of wall_s:
     which of vLLM's threads a batch-1 decode step waits on (the host side of the step)."""
-    rows = [{"pid": pid, "tid": tid, "name": name, "busy": round((s - before.get(tid, (0, "", 0.0))[2]) / wall_s, 3),
-             "cpu": cpu} for tid, (pid, name, s, cpu) in after.items()]  # fmt: skip
+    rows = [{"pid": pid, "tid": tid, "name": name, "cpu": cpu,
+             "busy": round((s - before.get(tid, (0, "", 0.0))[2]) / wall_s, 3)}
+            for tid, (pid, name, s, cpu) in after.items()]  # fmt: skip
     return sorted(rows, key=lambda r: -r["busy"])[:top]
-
-
-def core_order(cpus: list[int]) -> list[int]:
-    """`cpus` with one CPU per physical core first (sysfs thread_siblings_list; hyperthreads of
-    one core share its pipelines), then the siblings."""
-    first, rest, seen = [], [], set()
-    for c in cpus:
-        try:
-            sib = Path(f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list").read_text().strip()
-        except OSError:
-            sib = str(c)
-        (rest if sib in seen else first).append(c)
-        seen.add(sib)
-    return first + rest
-
-
-def pin_busy_threads(before: dict, after: dict, wall_s: float, cpus: list[int],
-                     min_busy: float = 0.05) -> list[dict]:
-    """Give each thread that was busy >= min_busy of wall_s between two thread_cpu() snapshots
-    a CPU of its own (busiest first, one per physical core first) and every other thread of the
-    processes the CPUs left over (all of `cpus` if none are left). At batch 1 a decode step waits
-    on a handful of Python threads in two processes (vLLM's engine and its client); left to the
-    kernel's scheduler they share and migrate between CPUs, differently in every engine instance."""
-    busy = [r for r in busiest_threads(before, after, wall_s, top=len(cpus)) if r["busy"] >= min_busy]
-    order = core_order(cpus)
-    own = {r["tid"]: order[i] for i, r in enumerate(busy[: len(order) - 1])}  # leave one for the rest
-    spare = [c for c in order if c not in own.values()] or order
-    for tid in after:
-        try:
-            os.sched_setaffinity(tid, [own[tid]] if tid in own else spare)
-        except OSError:
-            pass  # exited meanwhile
-    return [r | {"pinned_to": own[r["tid"]]} for r in busy if r["tid"] in own]
 
 
 def _git_head() -> str:
@@ -354,7 +320,8 @@ def write_table(res: dict, path: Path) -> None:
              f"{res['meta']['cuda']}, commit {res['meta']['git_commit'][:10]}",
              f"- model: {res['meta']['model_desc']}, dummy weights, input {res['meta']['input_len']} / "
              f"output {res['meta']['output_len']} tokens, greedy, ignore_eos; median of "
-             f"{res['meta']['repeats']} runs after {res['meta'].get('warmup', 1)} warm-up run(s)", "",
+             f"{res['meta']['repeats']} runs after {res['meta'].get('warmup', 1)} warm-up "
+             "run(s)", "",
              "| method | load s | weights GiB | " + " | ".join(f"batch {b} tok/s (x {res['baseline']})" for b in batches) + " |",
              "|---|---|---|" + "---|" * len(batches)]  # fmt: skip
     for m in methods:
@@ -423,12 +390,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmup", type=int, default=3,
                    help="discarded generates per batch size before the timed ones (default 3: "
-                        "the first one or two after the start ran up to 29%% slow at batch 1)")  # fmt: skip
-    p.add_argument("--pin-threads", action="store_true",
-                   help="after the warm-up, pin each busy host thread to a CPU of its own (of --cpus), "
-                        "the others to the rest (KBIT_E2E_PIN_THREADS=1 does it per method: a variant)")  # fmt: skip
+                        "the first one or two after the start ran up to 29%% slow at batch 1)")
     p.add_argument("--threads", action="store_true",
-                   help="record the busiest host threads (CPU share, CPU) during the timed runs")  # fmt: skip
+                   help="record the busiest host threads (CPU share, CPU) in the timed runs")
     p.add_argument("--dtype", default="float16", help="model dtype for every method")
     p.add_argument("--gpu-mem", type=float, default=0.85)
     p.add_argument(
@@ -447,9 +411,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--variant", action="append", default=[],
                    help="NAME:VAR=VALUE,... (KBIT_* or VLLM_*) for methods METHOD+NAME (see above)")  # fmt: skip
     p.add_argument("--host-profile", action="store_true",
-                   help="also run one generate per batch size under cProfile, with vLLM's engine in "
-                        "the worker's process (VLLM_ENABLE_V1_MULTIPROCESSING=0 for every method): "
-                        "where the host time of a step goes, in bench_e2e{tag}_{method}_b{batch}_host.txt")  # fmt: skip
+                   help="also run one generate per batch size under cProfile, with vLLM's engine "
+                        "in the worker's process (VLLM_ENABLE_V1_MULTIPROCESSING=0, every method):"
+                        " where a step's host time goes (bench_e2e{tag}_{method}_b{batch}_host"
+                        ".txt)")
     p.add_argument("--profile-dir", help=argparse.SUPPRESS)
     p.add_argument("--host-profile-file", help=argparse.SUPPRESS)
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -503,23 +468,25 @@ def main(argv: list[str] | None = None) -> None:
             continue
         cmd = [sys.executable, __file__, "--worker", m, "--model", str(mdir), "--batch",
                ",".join(map(str, todo)), "--input-len", str(args.input_len), "--output-len",
-               str(args.output_len), "--repeats", str(args.repeats), "--warmup", str(args.warmup), "--dtype",
+               str(args.output_len), "--repeats", str(args.repeats), "--warmup", str(args.warmup),
+               "--dtype",
                args.dtype,
                "--gpu-mem", str(args.gpu_mem)] + (["--eager"] if args.eager else []) + (
-               ["--threads"] if args.threads else []) + (["--pin-threads"] if args.pin_threads else []) + (
+               ["--threads"] if args.threads else []) + (
                ["--cpus", args.cpus] if args.cpus else [])  # fmt: skip
         if args.profile:
             pdir = Path("/tmp/kbit-e2e/profile") / m
             shutil.rmtree(pdir, ignore_errors=True)
             pdir.mkdir(parents=True)
             cmd += ["--profile-dir", str(pdir)]
+        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", m)  # file names: no @ or +
         env = method_env(m, variants=variants)
         if args.host_profile:
-            cmd += ["--host-profile-file", str(out / f"bench_e2e{args.tag}_{re.sub(r'[^A-Za-z0-9_.-]', '_', m)}_host")]
+            cmd += ["--host-profile-file", f"{stem}_{safe}_host"]
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         print(f"[{m}] starting: batches {todo}", flush=True)
         t0 = time.time()
-        log = out / f"bench_e2e{args.tag}_{re.sub(r'[^A-Za-z0-9_.-]', '_', m)}.log"  # no @ or +
+        log = out / f"bench_e2e{args.tag}_{safe}.log"
         with open(log, "w") as f:
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=f, text=True,
                                     start_new_session=True, env=env)

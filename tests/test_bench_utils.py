@@ -667,31 +667,3 @@ def test_bench_e2e_busiest_threads() -> None:
     assert all(r["busy"] > 0.3 for r in rows[:2]) and rows == sorted(rows, key=lambda r: -r["busy"])
     assert {r["pid"] for r in rows[:2]} == {os.getpid(), child.pid}
 
-
-
-@pytest.mark.skipif(not Path("/proc/self/task").is_dir() or len(os.sched_getaffinity(0)) < 2,
-                    reason="reads /proc, sets thread affinities: Linux with >= 2 CPUs")  # fmt: skip
-def test_bench_e2e_pin_busy_threads() -> None:
-    # --pin-threads: the busy thread gets a CPU of its own, every other thread the CPUs left over
-    import threading
-    import time
-
-    import bench_e2e
-
-    cpus = sorted(os.sched_getaffinity(0))
-    assert sorted(bench_e2e.core_order(cpus)) == cpus
-    stop = threading.Event()
-    spinner = threading.Thread(target=lambda: [None for _ in iter(stop.is_set, True)], name="spin")
-    before, t0 = bench_e2e.thread_cpu(), time.perf_counter()
-    spinner.start()
-    time.sleep(0.4)
-    try:
-        pinned = bench_e2e.pin_busy_threads(before, bench_e2e.thread_cpu(), time.perf_counter() - t0, cpus)
-        own = next(r["pinned_to"] for r in pinned if r["tid"] == spinner.native_id)
-        assert os.sched_getaffinity(spinner.native_id) == {own}
-        assert own not in os.sched_getaffinity(0)  # this (idle) thread: the other CPUs
-        assert len(pinned) < len(cpus)  # one CPU at least is left for the idle threads
-    finally:
-        stop.set()
-        spinner.join()
-        os.sched_setaffinity(0, cpus)
