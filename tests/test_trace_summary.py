@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -151,7 +152,8 @@ def test_bench_e2e_worker_profiles_each_batch(monkeypatch, capsys, tmp_path: Pat
 
     monkeypatch.setattr(bench_e2e.os, "_exit", _exit)
     args = argparse.Namespace(model="m", dtype="bfloat16", input_len=8, output_len=4, batch=[2, 4],
-                              gpu_mem=0.5, eager=False, method="kbit4", repeats=1,
+                              gpu_mem=0.5, eager=False, method="kbit4", repeats=1, warmup=2,
+                              threads=True, host_profile_file=str(tmp_path / "h"),
                               profile_dir=str(tmp_path), cpus=None)  # fmt: skip
     with pytest.raises(SystemExit):
         bench_e2e.worker(args)
@@ -159,19 +161,31 @@ def test_bench_e2e_worker_profiles_each_batch(monkeypatch, capsys, tmp_path: Pat
     cfg = ProfilerConfig(**kw["profiler_config"])  # vLLM's own validation of the keys
     assert cfg.profiler == "torch" and cfg.torch_profiler_dir == str(tmp_path)
     names = [c[0] for c in _FakeLLM.calls]
-    # per batch: warm-up, 1 timed, 1 profiled
-    per_batch = ["generate", "generate", "start_profile", "generate", "stop_profile"]
+    # per batch: 2 warm-ups, 1 timed, 1 under cProfile, 1 profiled
+    per_batch = ["generate"] * 4 + ["start_profile", "generate", "stop_profile"]
     assert names == ["init"] + per_batch * 2
     events = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
     prof = [e for e in events if e["event"] == "profile"]
     assert prof == [{"event": "profile", "method": "kbit4", "batch": b, "output_tokens": 4 * b,
                      "dir": str(tmp_path)} for b in (2, 4)]  # fmt: skip
-    # without --profile the LLM gets no profiler_config and nothing is profiled
+    res = [e for e in events if e["event"] == "result"]
+    assert [len(e["seconds_warmup"]) for e in res] == [2, 2] and all(e["threads"] for e in res)
+    assert {t["pid"] for t in res[0]["threads"]} == {os.getpid()}  # no engine process here
+    host = [e for e in events if e["event"] == "host_profile"]
+    assert [e["file"] for e in host] == [f"{tmp_path / 'h'}_b{b}.txt" for b in (2, 4)]
+    listing = (tmp_path / "h_b2.txt").read_text()
+    assert listing.startswith("# kbit4, batch 2: one generate of 4 tokens under cProfile")
+    assert "(generate)" in listing  # pstats of the profiled call: _FakeLLM.generate
+    # without --profile / --host-profile / --threads: no profiler_config, nothing profiled
     _FakeLLM.calls = []
+    plain = {"profile_dir": None, "host_profile_file": None, "threads": False, "warmup": 1}
     with pytest.raises(SystemExit):
-        bench_e2e.worker(argparse.Namespace(**(vars(args) | {"profile_dir": None})))
+        bench_e2e.worker(argparse.Namespace(**(vars(args) | plain)))
     assert "profiler_config" not in _FakeLLM.calls[0][1]
-    assert "start_profile" not in [c[0] for c in _FakeLLM.calls]
+    assert [c[0] for c in _FakeLLM.calls] == ["init"] + ["generate"] * 4  # 1 warm-up + 1 timed, x2
+    events = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    assert [e["event"] for e in events] == ["loaded", "result", "result"]
+    assert all("threads" not in e and len(e["seconds_warmup"]) == 1 for e in events[1:])
 
 
 def test_gaps_by_length_and_pair():
