@@ -655,7 +655,12 @@ def test_bench_e2e_busiest_threads() -> None:
     child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\n"
                               "while time.time() - t < 1.0: pass"])  # fmt: skip
     stop = threading.Event()
-    spinner = threading.Thread(target=lambda: [None for _ in iter(stop.is_set, True)], name="spin")
+
+    def spin() -> None:  # busy until stopped
+        while not stop.is_set():
+            pass
+
+    spinner = threading.Thread(target=spin, name="spin")
     before, t0 = bench_e2e.thread_cpu(), time.perf_counter()
     spinner.start()
     time.sleep(0.6)
@@ -666,4 +671,3 @@ def test_bench_e2e_busiest_threads() -> None:
     assert {r["tid"] for r in rows[:2]} == {spinner.native_id, child.pid}  # the two spinners
     assert all(r["busy"] > 0.3 for r in rows[:2]) and rows == sorted(rows, key=lambda r: -r["busy"])
     assert {r["pid"] for r in rows[:2]} == {os.getpid(), child.pid}
-
