@@ -18,6 +18,7 @@ TORCH_LIBRARY_IMPL(kbit, CUDA, m) {
     m.impl("linear", &kbit::linear);
     m.impl("linear_add_rms_norm", &kbit::linear_add_rms_norm);
     m.impl("linear_silu_mul", &kbit::linear_silu_mul);
+    m.impl("dense_linear", &kbit::dense_linear);
 }
 
 // kbit::moe's CUDA kernel (moe.cu). Escape hatch: KBIT_MOE_REFERENCE=1 set as vllm_kbit._C is

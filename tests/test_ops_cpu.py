@@ -39,6 +39,7 @@ def test_opcheck_all_ops(bits: int) -> None:
         (OPS.gemv, (x, qt, at, cb, bits, n)),
         (OPS.mma, (x, qt, at, cb, bits, n)),
         (OPS.linear, (x, qt, at, cb, bits, n)),
+        (OPS.dense_linear, (x, w.half())),
     ]
     for op, args in cases:
         torch.library.opcheck(op, args)
@@ -56,6 +57,24 @@ def test_cpu_ops_equal_reference() -> None:
     want = ref.linear(x, q, a, cb, bits)
     for op in (OPS.linear, OPS.gemv, OPS.mma):
         assert torch.equal(op(x, qt, at, cb, bits, n), want)
+    wb = w.bfloat16()
+    assert torch.equal(OPS.dense_linear(x, wb), (x.float() @ wb.float().t()).bfloat16())
+
+
+@pytest.mark.parametrize(
+    "args, msg",
+    [
+        (lambda x, w: (x.float(), w.float()), "float16 or bfloat16"),
+        (lambda x, w: (x, w.bfloat16()), "one dtype"),
+        (lambda x, w: (x, w[:, :128]), "K=256 columns"),
+        (lambda x, w: (x[0], w), "2-D"),
+        (lambda x, w: (x, w[0]), "weight must be 2-D"),
+    ],
+)
+def test_dense_linear_bad_input_names_the_problem(args, msg: str) -> None:
+    x, w = torch.randn(2, 256).half(), torch.randn(40, 256).half()
+    with pytest.raises((RuntimeError, ValueError), match=msg):
+        OPS.dense_linear(*args(x, w))
 
 
 def test_linear_compiles_once_for_all_batch_sizes() -> None:
@@ -112,7 +131,7 @@ def test_cuda_reference_fills_ops_missing_from_the_extension() -> None:
         "fake = types.ModuleType('vllm_kbit._C')\n"
         "fake.lib = torch.library.Library('kbit', 'IMPL')\n"
         "for op in ('quantize', 'dequantize', 'repack', 'dequantize_tiled', 'gemv', 'mma',\n"
-        "           'linear', 'linear_add_rms_norm', 'linear_silu_mul'):\n"
+        "           'linear', 'linear_add_rms_norm', 'linear_silu_mul', 'dense_linear'):\n"
         "    fake.lib.impl(op, lambda *a: None, 'CUDA')\n"
         "sys.modules['vllm_kbit._C'] = fake\n"
         "from vllm_kbit import _ops\n"

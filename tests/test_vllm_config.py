@@ -19,7 +19,7 @@ from vllm_kbit.format import KbitQuantConfig  # noqa: E402
 vllm_kbit.register()
 
 from vllm_kbit.config import KbitConfig  # noqa: E402
-from vllm_kbit.linear import KbitLinearMethod  # noqa: E402
+from vllm_kbit.linear import KbitDenseHeadMethod, KbitLinearMethod  # noqa: E402
 
 FUSED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 
@@ -264,16 +264,16 @@ def test_lm_head_and_embeddings(vllm_env):
         return ParallelLMHead(100, dim, params_dtype=torch.bfloat16, quant_config=cfg,
                               prefix="lm_head")  # fmt: skip
 
-    assert isinstance(head(prequantized()).quant_method, UnquantizedEmbeddingMethod)
+    assert isinstance(head(prequantized()).quant_method, KbitDenseHeadMethod)
     quantized = head(prequantized(quantize_lm_head=True, module_bits={"lm_head": 5}))
     assert isinstance(quantized.quant_method, KbitLinearMethod) and quantized.quant_method.bits == 5
     assert quantized.qweight.shape == (128, 2 * 5)  # vocab padded to 128 rows
     cfg = prequantized(quantize_lm_head=True, modules_to_not_convert=["lm_head"])
-    assert isinstance(head(cfg).quant_method, UnquantizedEmbeddingMethod)
+    assert isinstance(head(cfg).quant_method, KbitDenseHeadMethod)
     assert isinstance(head(online(quantize_lm_head=True), dim=48).quant_method,
-                      UnquantizedEmbeddingMethod)  # fmt: skip
+                      KbitDenseHeadMethod)  # fmt: skip
     emb = VocabParallelEmbedding(100, 64, params_dtype=torch.bfloat16, quant_config=prequantized(),
                                  prefix="model.embed_tokens")  # fmt: skip
-    assert isinstance(emb.quant_method, UnquantizedEmbeddingMethod)
+    assert type(emb.quant_method) is UnquantizedEmbeddingMethod
 
     # MoE layers (RoutedExperts): tests/test_vllm_moe.py

@@ -19,7 +19,7 @@ from vllm_kbit.format import KbitQuantConfig, default_codebook  # noqa: E402
 vllm_kbit.register()
 
 from vllm_kbit.config import KbitConfig  # noqa: E402
-from vllm_kbit.linear import KbitLinearMethod  # noqa: E402
+from vllm_kbit.linear import KbitDenseHeadMethod, KbitLinearMethod  # noqa: E402
 
 DT = torch.bfloat16
 FUSED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
@@ -427,11 +427,34 @@ def test_quantized_lm_head_through_logits_processor():
     assert full.shape == (3, 128) and not full[:, 100:].any()
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_unquantized_lm_head_through_logits_processor(dtype):
+    """The default (lm_head not quantized): vLLM's weight and loading, kbit::dense_linear."""
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    cfg = KbitConfig.from_config(KbitQuantConfig(bits=4).to_dict())
+    head = ParallelLMHead(100, 64, bias=True, params_dtype=dtype, quant_config=cfg,
+                          prefix="lm_head")  # fmt: skip
+    assert isinstance(head.quant_method, KbitDenseHeadMethod)
+    w = torch.randn(100, 64).to(dtype)
+    head.weight_loader(head.weight, w)  # vocab rows 100..127 are padding
+    head.weight_loader(head.bias, torch.randn(100).to(dtype))
+    head.quant_method.process_weights_after_loading(head)
+    h = torch.randn(3, 64).to(dtype)
+    logits = LogitsProcessor(100)._get_logits(h, head, head.bias)
+    want = (h.float() @ w.float().t()).to(dtype) + head.bias[:100]
+    torch.testing.assert_close(logits, want, rtol=0, atol=0)
+    # dtypes the op does not take go to vLLM's own GEMM
+    h32, w32 = h.float(), head.weight.float()
+    head.weight.data = w32
+    torch.testing.assert_close(head.quant_method.apply(head, h32), h32 @ w32.t())
+
+
 @pytest.mark.parametrize("online", [False, True])
 def test_tied_lm_head_falls_back_to_embeddings(online):
     from vllm.model_executor.layers.vocab_parallel_embedding import (
         ParallelLMHead,
-        UnquantizedEmbeddingMethod,
         VocabParallelEmbedding,
     )
 
@@ -447,7 +470,7 @@ def test_tied_lm_head_falls_back_to_embeddings(online):
     model.embed_tokens.weight_loader(model.embed_tokens.weight, emb)
     _finish_loading(model)
     head = model.lm_head
-    assert isinstance(head.quant_method, UnquantizedEmbeddingMethod)
+    assert isinstance(head.quant_method, KbitDenseHeadMethod)
     assert head.weight is model.embed_tokens.weight and not hasattr(head, "qweight")
     assert torch.equal(head.weight[:100], emb)
 

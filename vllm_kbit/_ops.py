@@ -39,6 +39,9 @@ _SCHEMAS = {
     "float eps, Tensor qweight, Tensor absmax, Tensor codebook, int bits, int n) -> (Tensor, Tensor)",
     "linear_silu_mul": "linear_silu_mul(Tensor h, Tensor qweight, Tensor absmax, Tensor codebook, "
     "int bits, int n) -> Tensor",
+    # x[M, K] @ weight^T for an unquantized fp16/bf16 weight [n, K] (the lm_head kbit leaves
+    # unquantized): a streaming GEMV at M <= 8 on CUDA, cuBLAS otherwise
+    "dense_linear": "dense_linear(Tensor x, Tensor weight) -> Tensor",
     # grouped MoE experts (gate_up, gated activation, down, weighted sum over top-k) on the
     # tiled layout, one row per local expert; see reference_moe.py for the contract
     "moe": "moe(Tensor x, Tensor w13_qweight, Tensor w13_absmax, Tensor w2_qweight, "
@@ -72,6 +75,7 @@ def _define() -> None:
     torch.library.register_fake("kbit::linear_add_rms_norm", _linear_add_rms_norm_fake, lib=_lib)
     torch.library.register_fake("kbit::linear_silu_mul", _linear_silu_mul_fake, lib=_lib)
     torch.library.register_fake("kbit::moe", _moe_fake, lib=_lib)
+    torch.library.register_fake("kbit::dense_linear", _dense_linear_fake, lib=_lib)
 
 
 def _register_reference(dispatch_key: str, names: list[str] | None = None) -> None:
@@ -81,6 +85,7 @@ def _register_reference(dispatch_key: str, names: list[str] | None = None) -> No
     impls = {"quantize": _quantize_ref, "dequantize": ref.dequantize, "repack": ref.repack,
              "dequantize_tiled": ref.dequantize_tiled, "moe": ref_moe.moe_tiled,
              "linear_add_rms_norm": _linear_add_rms_norm_ref, "linear_silu_mul": _linear_silu_mul_ref,
+             "dense_linear": _dense_linear_ref,
              **{name: _linear_ref for name in _MATMUL_OPS}}  # fmt: skip
     for name in _SCHEMAS if names is None else names:
         _lib.impl(name, impls[name], dispatch_key)
@@ -129,6 +134,29 @@ def _check_linear_args(x, qweight, absmax, codebook, bits, n) -> None:
     torch._check(codebook.dtype == torch.float32 and codebook.numel() == 2**bits,
                  lambda: f"kbit: codebook must be float32 [{2**bits}], got {codebook.dtype} "
                  f"{tuple(codebook.shape)}")  # fmt: skip
+
+
+def _check_dense_args(x, weight) -> None:
+    torch._check(x.dim() == 2, lambda: f"kbit: x must be 2-D [M, K], got shape {tuple(x.shape)}")
+    torch._check(weight.dim() == 2,
+                 lambda: f"kbit: weight must be 2-D [n, K], got shape {tuple(weight.shape)}")  # fmt: skip
+    torch._check(x.dtype in (torch.float16, torch.bfloat16),
+                 lambda: f"kbit: x must be float16 or bfloat16, got {x.dtype}")  # fmt: skip
+    torch._check(weight.dtype == x.dtype,
+                 lambda: f"kbit: weight ({weight.dtype}) and x ({x.dtype}) must have one dtype")  # fmt: skip
+    torch._check(weight.shape[1] == x.shape[1],
+                 lambda: f"kbit: x has K={x.shape[1]} columns, weight {tuple(weight.shape)} has "
+                 f"{weight.shape[1]}")  # fmt: skip
+
+
+def _dense_linear_ref(x, weight):
+    _check_dense_args(x, weight)
+    return ref.dense_linear(x, weight)
+
+
+def _dense_linear_fake(x, weight):
+    _check_dense_args(x, weight)
+    return x.new_empty((x.shape[0], weight.shape[0]))
 
 
 def _quantize_fake(weight, codebook, bits):

@@ -49,9 +49,9 @@ from vllm.model_executor.layers.quantization.base_config import (
 )
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
-from . import fusion
+from . import _ops, fusion
 from .format import BLOCKSIZE, KbitQuantConfig
-from .linear import KbitLinearMethod
+from .linear import KbitDenseHeadMethod, KbitLinearMethod
 from .moe import KbitMoEMethod
 
 logger = init_logger(__name__)
@@ -143,15 +143,20 @@ class KbitConfig(QuantizationConfig):
             return self._method(prefix, shards)
         if isinstance(layer, ParallelLMHead):
             if not self.quant.quantize_lm_head or self.quant.is_skipped(prefix):
-                return None
+                return self._dense_head()
             if not self._k_ok(prefix, layer.embedding_dim, layer.embedding_dim):
-                return None
+                return self._dense_head()
             return self._method(prefix, [prefix])
         if _is_routed_experts(layer):
             return self._moe_method(layer, prefix)
         return None  # embeddings, attention: unquantized
 
     # ------------------------------------------------------------------ helpers
+
+    @staticmethod
+    def _dense_head() -> KbitDenseHeadMethod:
+        _ops.load()  # the op library, as the quantized methods load it
+        return KbitDenseHeadMethod()
 
     def _shard_names(self, prefix: str) -> list[str]:
         parent, _, leaf = prefix.rpartition(".")

@@ -22,6 +22,7 @@ from vllm.model_executor.layers.linear import (
     LinearMethodBase,
     register_weight_loader_v2_supported_method,
 )
+from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 from vllm.model_executor.parameter import GroupQuantScaleParameter, ModelWeightParameter
 from vllm.model_executor.utils import replace_parameter, set_weight_attrs
 
@@ -104,14 +105,32 @@ class KbitLinearMethod(LinearMethodBase):
 
     def tie_weights(self, layer: torch.nn.Module, embed_tokens: torch.nn.Module) -> torch.nn.Module:
         """A quantized lm_head tied to the (unquantized) input embedding: serve it unquantized."""
-        from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
-
         logger.warning("kbit: %s is tied to the input embeddings, which stay unquantized; "
                        "it is served unquantized", self.prefix or "lm_head")  # fmt: skip
         for name in ("qweight", "weight_absmax", "weight"):
             layer._parameters.pop(name, None)
-        layer.quant_method = UnquantizedEmbeddingMethod()
+        layer.quant_method = KbitDenseHeadMethod()
         return layer.quant_method.tie_weights(layer, embed_tokens)
+
+
+class KbitDenseHeadMethod(UnquantizedEmbeddingMethod):
+    """The lm_head that kbit leaves unquantized (the default; also a skipped or tied one): vLLM's
+    own fp16/bf16 weight and loading, with ``apply`` through ``kbit::dense_linear``, a streaming
+    GEMV at M <= 8 tokens (cuBLAS beyond). ``KBIT_DENSE_GEMV=0`` sends every call to cuBLAS."""
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        import vllm.envs as envs
+
+        w = layer.weight
+        if envs.VLLM_BATCH_INVARIANT or x.dtype != w.dtype or x.dtype not in _HALF:
+            return super().apply(layer, x, bias)  # vLLM's own GEMM for these
+        y = torch.ops.kbit.dense_linear(x.reshape(-1, x.shape[-1]), w)
+        y = y.reshape(*x.shape[:-1], w.shape[0])
+        return y if bias is None else y + bias
+
+
+_HALF = (torch.float16, torch.bfloat16)
 
 
 def _init_method(method: object, bits: int, codebook: torch.Tensor, online: bool,

@@ -208,6 +208,12 @@ def linear(x: torch.Tensor, qweight: torch.Tensor, absmax: torch.Tensor, codeboo
     return (x.float() @ w.float().t()).to(x.dtype)
 
 
+def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """kbit::dense_linear: x[M, K] @ weight^T for an unquantized weight [n, K] (the lm_head that
+    kbit leaves unquantized), fp32 accumulation, in x.dtype."""
+    return (x.float() @ weight.float().t()).to(x.dtype)
+
+
 # ------------------------------------------------------- runtime (tiled) layout
 #
 # Tile (nt, kc) = rows [16 nt, 16 nt + 16) x columns [128 kc, 128 kc + 128): 4 blocks.
