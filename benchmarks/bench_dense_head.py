@@ -13,14 +13,19 @@ float64 (error within 2x cuBLAS's, as tests/test_cuda_dense_linear.py).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import copies_needed, l2_cache_bytes, run_metadata, time_interleaved  # noqa: E402
+from timing import (  # noqa: E402
+    copies_needed,
+    l2_cache_bytes,
+    run_metadata,
+    time_interleaved,
+    write_results,
+)
 
 from vllm_kbit import _ops  # noqa: E402
 
@@ -91,22 +96,16 @@ def main(argv: list[str] | None = None) -> int:
                 print(row, flush=True)
             del ws
             torch.cuda.empty_cache()
-    out = f"bench_dense_head_{meta.get('device_short', 'cpu')}{args.tag}"
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / f"{out}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    lines = [f"# Unquantized lm_head: kbit::dense_linear vs cuBLAS ({meta.get('device')})", "",
-             f"- command: `{meta['command']}`",
-             f"- date: {meta['date_utc']}, commit {meta['git_commit']}, torch {meta['torch']}, "
-             f"CUDA {meta['cuda_runtime']}",
-             "- us per call, median of interleaved CUDA-graph replays; TB/s = weight bytes / time",
-             "", "| shape | n x K | dtype | M | GEMV us | cuBLAS us | GEMV TB/s | cuBLAS TB/s | "
+    table = ["| shape | n x K | dtype | M | GEMV us | cuBLAS us | GEMV TB/s | cuBLAS TB/s | "
              "GEMV / cuBLAS |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
-        lines.append(f"| {r['shape']} | {r['n']} x {r['k']} | {r['dtype']} | {r['m']} | "
+        table.append(f"| {r['shape']} | {r['n']} x {r['k']} | {r['dtype']} | {r['m']} | "
                      f"{r['dense_gemv_us']} | {r['cublas_us']} | {r['dense_gemv_tbps']} | "
                      f"{r['cublas_tbps']} | {r['gemv_x_cublas']}x |")  # fmt: skip
-    (args.out_dir / f"{out}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(args.out_dir, f"bench_dense_head_{meta.get('device_short', 'cpu')}{args.tag}",
+                  meta, rows, "Unquantized lm_head: kbit::dense_linear vs cuBLAS",
+                  ["us per call, median of interleaved CUDA-graph replays; TB/s = weight bytes / time"],
+                  table)  # fmt: skip
     return 0
 
 

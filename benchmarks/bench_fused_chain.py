@@ -24,14 +24,13 @@ benchmarks/timing.py (graph replays, CUDA events, median; the variants interleav
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import run_metadata, time_interleaved, with_env  # noqa: E402
+from timing import run_metadata, time_interleaved, with_env, write_results  # noqa: E402
 
 from vllm_kbit import _ops  # noqa: E402
 from vllm_kbit import reference as ref  # noqa: E402
@@ -137,23 +136,18 @@ def main(argv: list[str] | None = None) -> int:
             print(row, flush=True)
         del layers
         torch.cuda.empty_cache()
-    name = f"bench_fused_chain_{meta.get('device_short', 'cpu')}{args.tag}"
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    lines = [f"# Decoder-layer chain, norm / activation folded into the GEMV ({meta.get('device')})",
-             "", f"- command: `{meta['command']}`",
-             f"- date: {meta['date_utc']}, commit {meta['git_commit']}, torch {meta['torch']}",
-             f"- {args.layers} Llama-3.1-8B layers' linear parts in one CUDA graph, median of graph "
-             "replays (us per layer); see the script's docstring for the variants", "",
-             "| k | M | " + " | ".join(variants) + " | "
+    table = ["| k | M | " + " | ".join(variants) + " | "
              + " | ".join(f"{v} x inductor" for v in variants[1:]) + " |",
              "|---|---|" + "---|" * (2 * len(variants) - 1)]  # fmt: skip
     for r in rows:
-        lines.append(f"| {r['bits']} | {r['m']} | "
+        table.append(f"| {r['bits']} | {r['m']} | "
                      + " | ".join(str(r[f"{v}_us_per_layer"]) for v in variants) + " | "
                      + " | ".join(f"{r[f'{v}_x_inductor']}x" for v in variants[1:]) + " |")  # fmt: skip
-    (args.out_dir / f"{name}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(args.out_dir, f"bench_fused_chain_{meta.get('device_short', 'cpu')}{args.tag}",
+                  meta, rows, "Decoder-layer chain, norm / activation folded into the GEMV",
+                  [f"{args.layers} Llama-3.1-8B layers' linear parts in one CUDA graph, median of "
+                   "graph replays (us per layer); see the script's docstring for the variants"],
+                  table)  # fmt: skip
     return 0
 
 

@@ -12,6 +12,7 @@ why). On a machine without CUDA the wall clock is used (for tests only).
 from __future__ import annotations
 
 import datetime
+import json
 import math
 import os
 import platform
@@ -306,3 +307,17 @@ def run_metadata(argv: Sequence[str] | None = None) -> dict[str, object]:
     else:
         meta.update({"device": "cpu", "device_short": "cpu", "sm_count": 0, "l2_bytes": 0})
     return meta
+
+
+def write_results(out_dir: Path, name: str, meta: dict[str, object], rows: list[dict],
+                  title: str, notes: Sequence[str], table: Sequence[str]) -> None:  # fmt: skip
+    """``<out_dir>/<name>.json`` ({"meta", "rows"}) and ``<name>.md``: the title with the device,
+    the command, date / commit / versions, ``notes`` as bullets, then the ``table`` lines. The md
+    is also printed."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    lines = [f"# {title} ({meta.get('device')})", "", f"- command: `{meta['command']}`",
+             f"- date: {meta['date_utc']}, commit {meta['git_commit']}, torch {meta['torch']}, "
+             f"CUDA {meta['cuda_runtime']}", *(f"- {n}" for n in notes), "", *table]  # fmt: skip
+    (out_dir / f"{name}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))

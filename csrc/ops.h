@@ -59,7 +59,7 @@ at::Tensor gemv_fused(const at::Tensor& x, const at::Tensor* residual, at::Tenso
                       const at::Tensor& absmax, const at::Tensor& codebook, int64_t bits,
                       int64_t n);
 // dense_gemv.cu: y[M, n] = x[M, K] @ weight^T for an unquantized fp16/bf16 weight [n, K]: a
-// streaming GEMV at M <= 8 (dense_gemv_takes: also aligned, unit-stride rows), else at::linear.
+// streaming GEMV at M <= 4 (dense_gemv_takes: also aligned, unit-stride rows), else at::linear.
 at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight);
 bool dense_gemv_takes(const at::Tensor& x, const at::Tensor& weight);
 // moe.cu: routed experts of one MoE layer (gate_up + gated activation + down + top-k weighted

@@ -671,3 +671,16 @@ def test_bench_e2e_busiest_threads() -> None:
     assert {r["tid"] for r in rows[:2]} == {spinner.native_id, child.pid}  # the two spinners
     assert all(r["busy"] > 0.3 for r in rows[:2]) and rows == sorted(rows, key=lambda r: -r["busy"])
     assert {r["pid"] for r in rows[:2]} == {os.getpid(), child.pid}
+
+
+def test_write_results_json_and_table(tmp_path: Path, capsys) -> None:
+    meta = timing.run_metadata(["bench_x.py", "--m", "1"])
+    rows = [{"m": 1, "us": 2.5}]
+    timing.write_results(tmp_path / "out", "bench_x_cpu_t", meta, rows, "Title", ["a note"],
+                         ["| m | us |", "|---|---|", "| 1 | 2.5 |"])  # fmt: skip
+    data = json.loads((tmp_path / "out" / "bench_x_cpu_t.json").read_text())
+    assert data["rows"] == rows and data["meta"]["command"].endswith("bench_x.py --m 1")
+    md = (tmp_path / "out" / "bench_x_cpu_t.md").read_text().splitlines()
+    assert md[0] == f"# Title ({meta['device']})" and md[2] == f"- command: `{meta['command']}`"
+    assert md[3].startswith(f"- date: {meta['date_utc']}, commit ") and md[4] == "- a note"
+    assert md[-1] == "| 1 | 2.5 |" and "| 1 | 2.5 |" in capsys.readouterr().out

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """torch.ops.kbit.dense_linear (CUDA): x[M, K] @ W^T for an unquantized fp16/bf16 weight, the
-streaming GEMV at M <= 8 and cuBLAS beyond, against float64 on the same fp16/bf16 values.
+streaming GEMV at M <= 4 and cuBLAS beyond, against float64 on the same fp16/bf16 values.
 
 Tolerance: the GEMV accumulates in fp32 in another order than cuBLAS; its error against float64
 must stay within 2x cuBLAS's (F.linear on the same tensors) plus one output rounding step of the
@@ -46,7 +46,7 @@ def test_kernels_are_compiled() -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 9, 33])  # 9, 33: cuBLAS
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 33])  # 5, 8, 33: cuBLAS
 def test_lm_head_shape(m: int, dtype: torch.dtype) -> None:
     x, w = _tensors(m, 128256, 4096, dtype, seed=m)
     _check(x, w, OPS.dense_linear(x, w))
@@ -54,8 +54,8 @@ def test_lm_head_shape(m: int, dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("k", [8, 264, 520, 4104, 5000])  # partial 256- and 512-column chunks
-@pytest.mark.parametrize("n", [1, 3, 7, 1000, 32001])  # partial last 4-row group; fewer rows than warps
-@pytest.mark.parametrize("m", [1, 3, 8], ids=["m1", "m3", "m8"])
+@pytest.mark.parametrize("n", [1, 3, 7, 1000, 32001])  # partial last row group; fewer rows than warps
+@pytest.mark.parametrize("m", [1, 2, 3, 4], ids=["m1", "m2", "m3", "m4"])  # each (R, U)
 def test_awkward_shapes(m: int, n: int, k: int, dtype: torch.dtype) -> None:
     x, w = _tensors(m, n, k, dtype, seed=n + k)
     _check(x, w, OPS.dense_linear(x, w))

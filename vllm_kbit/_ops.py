@@ -40,7 +40,7 @@ _SCHEMAS = {
     "linear_silu_mul": "linear_silu_mul(Tensor h, Tensor qweight, Tensor absmax, Tensor codebook, "
     "int bits, int n) -> Tensor",
     # x[M, K] @ weight^T for an unquantized fp16/bf16 weight [n, K] (the lm_head kbit leaves
-    # unquantized): a streaming GEMV at M <= 8 on CUDA, cuBLAS otherwise
+    # unquantized): a streaming GEMV at M <= 4 on CUDA, cuBLAS otherwise
     "dense_linear": "dense_linear(Tensor x, Tensor weight) -> Tensor",
     # grouped MoE experts (gate_up, gated activation, down, weighted sum over top-k) on the
     # tiled layout, one row per local expert; see reference_moe.py for the contract

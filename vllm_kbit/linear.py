@@ -116,7 +116,7 @@ class KbitLinearMethod(LinearMethodBase):
 class KbitDenseHeadMethod(UnquantizedEmbeddingMethod):
     """The lm_head that kbit leaves unquantized (the default; also a skipped or tied one): vLLM's
     own fp16/bf16 weight and loading, with ``apply`` through ``kbit::dense_linear``, a streaming
-    GEMV at M <= 8 tokens (cuBLAS beyond). ``KBIT_DENSE_GEMV=0`` sends every call to cuBLAS."""
+    GEMV at M <= 4 tokens (cuBLAS beyond). ``KBIT_DENSE_GEMV=0`` sends every call to cuBLAS."""
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
