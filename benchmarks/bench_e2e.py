@@ -235,18 +235,19 @@ def thread_cpu(root: int | None = None) -> dict[int, tuple[int, str, float, int]
     from /proc (Linux)."""
     root = os.getpid() if root is None else root
     tick = os.sysconf("SC_CLK_TCK")
-    parent = {}
+    children: dict[int, list[int]] = {}
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
             try:  # "pid (comm) state ppid ...": comm may hold spaces and parentheses
-                parent[int(d.name)] = int((d / "stat").read_text().rpartition(")")[2].split()[1])
+                ppid = int((d / "stat").read_text().rpartition(")")[2].split()[1])
             except (OSError, IndexError, ValueError):
-                pass  # exited meanwhile
+                continue  # exited meanwhile
+            children.setdefault(ppid, []).append(int(d.name))
     pids, todo = [], [root]
     while todo:
         pid = todo.pop()
         pids.append(pid)
-        todo += [c for c, pp in parent.items() if pp == pid]
+        todo += children.get(pid, [])
     out = {}
     for pid in pids:
         for t in Path(f"/proc/{pid}/task").glob("*"):

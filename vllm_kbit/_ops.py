@@ -124,10 +124,14 @@ def _linear_silu_mul_ref(h, qweight, absmax, codebook, bits, n):
     return ref.linear_silu_mul(h, qweight, absmax, codebook, bits, n)
 
 
-def _check_linear_args(x, qweight, absmax, codebook, bits, n) -> None:
+def _check_x(x) -> None:
     torch._check(x.dim() == 2, lambda: f"kbit: x must be 2-D [M, K], got shape {tuple(x.shape)}")
     torch._check(x.dtype in (torch.float16, torch.bfloat16),
                  lambda: f"kbit: x must be float16 or bfloat16, got {x.dtype}")  # fmt: skip
+
+
+def _check_linear_args(x, qweight, absmax, codebook, bits, n) -> None:
+    _check_x(x)
     torch._check(qweight.dtype == torch.int32, lambda: f"kbit: qweight must be int32, got {qweight.dtype}")
     torch._check(absmax.dtype == torch.uint8,
                  lambda: f"kbit: weight_absmax must be uint8, got {absmax.dtype}")  # fmt: skip
@@ -137,11 +141,9 @@ def _check_linear_args(x, qweight, absmax, codebook, bits, n) -> None:
 
 
 def _check_dense_args(x, weight) -> None:
-    torch._check(x.dim() == 2, lambda: f"kbit: x must be 2-D [M, K], got shape {tuple(x.shape)}")
+    _check_x(x)
     torch._check(weight.dim() == 2,
                  lambda: f"kbit: weight must be 2-D [n, K], got shape {tuple(weight.shape)}")  # fmt: skip
-    torch._check(x.dtype in (torch.float16, torch.bfloat16),
-                 lambda: f"kbit: x must be float16 or bfloat16, got {x.dtype}")  # fmt: skip
     torch._check(weight.dtype == x.dtype,
                  lambda: f"kbit: weight ({weight.dtype}) and x ({x.dtype}) must have one dtype")  # fmt: skip
     torch._check(weight.shape[1] == x.shape[1],

@@ -17,6 +17,7 @@ which quantizes it and drops it (peak memory: the quantized model plus one bf16 
 from __future__ import annotations
 
 import torch
+import vllm.envs as envs
 from vllm.logger import init_logger
 from vllm.model_executor.layers.linear import (
     LinearMethodBase,
@@ -120,8 +121,6 @@ class KbitDenseHeadMethod(UnquantizedEmbeddingMethod):
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-        import vllm.envs as envs
-
         w = layer.weight
         if envs.VLLM_BATCH_INVARIANT or x.dtype != w.dtype or x.dtype not in _HALF:
             return super().apply(layer, x, bias)  # vLLM's own GEMM for these
