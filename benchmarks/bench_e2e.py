@@ -335,7 +335,8 @@ def write_table(res: dict, path: Path) -> None:
                 cells.append("failed" if m in res.get("failed", {}) else "-")
             else:
                 x = r["output_tok_s"] / base[b] if b in base else float("nan")
-                cells.append(f"{r['output_tok_s']:.0f} ({x:.2f}x)")
+                # three decimals: a ratio next to a target (2.8x) must not round up across it
+                cells.append(f"{r['output_tok_s']:.0f} ({x:.3f}x)")
         gib_cell = "?" if gib is None else f"{gib:.2f}"
         lines.append(f"| {m} | {load:.0f} | {gib_cell} | " + " | ".join(cells) + " |")
     for m, why in res.get("failed", {}).items():

@@ -165,14 +165,12 @@ void dense_gemv_dispatch(const at::Tensor& x, const at::Tensor& w, at::Tensor& y
     }
 }
 
-bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
-
 }  // namespace
 
 bool dense_gemv_takes(const at::Tensor& x, const at::Tensor& weight) {
     const int64_t M = x.size(0), n = weight.size(0), K = weight.size(1);
-    return M >= 1 && M <= kDlMaxM && K % 8 == 0 && x.stride(1) == 1 && x.stride(0) % 8 == 0 &&
-           weight.is_contiguous() && aligned16(x) && aligned16(weight) &&
+    return M >= 1 && M <= kDlMaxM && K % 8 == 0 && x.stride(1) == 1 && rows_aligned16(x) &&
+           weight.is_contiguous() && aligned(weight, 16) &&
            // row0 + r and a lane's columns (up to K + 4 chunks) stay in int for every (R, U)
            n < (int64_t{1} << 31) - 64 && K < (int64_t{1} << 31) - 4 * kDlChunk &&
            env_int("KBIT_DENSE_GEMV", 1) != 0;

@@ -23,8 +23,7 @@ at::Tensor gemv_run(const at::Tensor& x, int64_t K, const XPro& xp, const at::Te
     // The kernel keeps 32-bit offsets in 8-byte units and 32-bit unit counters.
     TORCH_CHECK(shape.n_tiles * shape.k_tiles * bits * 32 < (int64_t{1} << 32), "kbit::gemv: ",
                 n, " x ", K, " weight is too large");
-    TORCH_CHECK(reinterpret_cast<uintptr_t>(qweight.data_ptr()) % 8 == 0 &&
-                    reinterpret_cast<uintptr_t>(absmax.data_ptr()) % 4 == 0,
+    TORCH_CHECK(aligned(qweight, 8) && aligned(absmax, 4),
                 "kbit::gemv: qweight must be 8-byte and weight_absmax 4-byte aligned");
     at::Tensor y = at::empty({M, n}, x.options());
     if (M == 0) return y;
@@ -59,8 +58,7 @@ at::Tensor gemv_run(const at::Tensor& x, int64_t K, const XPro& xp, const at::Te
     p.n = static_cast<int>(n);
     p.n_tiles = static_cast<int>(shape.n_tiles);
     p.k_tiles = static_cast<int>(shape.k_tiles);
-    p.x_vec = reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 &&
-              (M == 1 || x.stride(0) % 8 == 0);
+    p.x_vec = rows_aligned16(x);
     at::Tensor ws, arrived;
     apply_plan(p, plan, x, ws, arrived);
     // sm_90: programmatic dependent launch (pdl_requested, KBIT_PDL=0 turns it off), so that the
@@ -89,13 +87,9 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor
 bool gemv_fused_takes(const at::Tensor& x, const at::Tensor* residual,
                       const at::Tensor* norm_weight) {
     // Every prologue access is 8 elements (16 bytes) wide.
-    auto rows16 = [](const at::Tensor& t) {
-        return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 &&
-               (t.size(0) == 1 || t.stride(0) % 8 == 0);
-    };
-    if (x.size(0) > kMaxM || !rows16(x)) return false;
-    if (residual != nullptr && !rows16(*residual)) return false;
-    return norm_weight == nullptr || reinterpret_cast<uintptr_t>(norm_weight->data_ptr()) % 16 == 0;
+    if (x.size(0) > kMaxM || !rows_aligned16(x)) return false;
+    if (residual != nullptr && !rows_aligned16(*residual)) return false;
+    return norm_weight == nullptr || aligned(*norm_weight, 16);
 }
 
 at::Tensor gemv_fused(const at::Tensor& x, const at::Tensor* residual, at::Tensor* residual_out,

@@ -252,6 +252,15 @@ struct TiledShape {
           absmax_bytes(np * kp / 32) {}
 };
 
+// Host: does p (t's data) start at a multiple of `bytes`? 16 B: vector loads, cp.async and TMA
+// move 16-byte chunks; the GEMV's register loads of planes / absmax need 8 / 4 B.
+inline bool aligned(const void* p, int bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+inline bool aligned(const at::Tensor& t, int bytes) { return aligned(t.data_ptr(), bytes); }
+// Host: does every row of the 2-D tensor t start 16-byte aligned? One row has no stride to check.
+inline bool rows_aligned16(const at::Tensor& t) {
+    return aligned(t, 16) && (t.size(0) == 1 || t.stride(0) * t.element_size() % 16 == 0);
+}
+
 inline void check_bits(int64_t bits, const char* op) {
     TORCH_CHECK(bits >= 2 && bits <= 5, "kbit::", op, ": bits must be 2, 3, 4 or 5, got ", bits);
 }

@@ -644,16 +644,13 @@ at::Tensor mma(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tens
                 "kbit::mma: qweight, weight_absmax and codebook are on different devices");
     TORCH_CHECK_VALUE(M <= int64_t{65535} * 64 && n < (int64_t{1} << 31) && K < (int64_t{1} << 30),
                       "kbit::mma: shape too large (M=", M, ", n=", n, ", K=", K, ")");
-    TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(qweight.data_ptr()) % 16 == 0 &&
-                          reinterpret_cast<uintptr_t>(absmax.data_ptr()) % 16 == 0,
+    TORCH_CHECK_VALUE(aligned(qweight, 16) && aligned(absmax, 16),
                       "kbit::mma: qweight and weight_absmax must be 16-byte aligned");
     const c10::cuda::CUDAGuard guard(x_in.device());
     at::Tensor y = at::empty({M, n}, x_in.options());
     if (M == 0) return y;
     // cp.async moves 16-byte chunks: rows must start 16-byte aligned, else copy x once.
-    const bool aligned = reinterpret_cast<uintptr_t>(x_in.data_ptr()) % 16 == 0 &&
-                         (M == 1 || x_in.stride(0) % 8 == 0);
-    const at::Tensor x = aligned ? x_in : x_in.clone(at::MemoryFormat::Contiguous);
+    const at::Tensor x = rows_aligned16(x_in) ? x_in : x_in.clone(at::MemoryFormat::Contiguous);
     if (env_int("KBIT_MMA_WGMMA", -1) == 2 || wgmma2_by_default(x, M, n)) {  // warp-specialized kernel
         wgmma_gemm(x, qweight, absmax, codebook, bits, y);
         return y;

@@ -967,8 +967,7 @@ void check_experts(const at::Tensor& q, const at::Tensor& a, int64_t E, const Ti
                       a.scalar_type(), " ", a.sizes());
     TORCH_CHECK_VALUE(q.get_device() == x.get_device() && a.get_device() == x.get_device(),
                       "kbit::moe: ", qn, " and ", an, " must be on x's device");
-    TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(q.data_ptr()) % 16 == 0 &&
-                          reinterpret_cast<uintptr_t>(a.data_ptr()) % 16 == 0,
+    TORCH_CHECK_VALUE(aligned(q, 16) && aligned(a, 16),
                       "kbit::moe: ", qn, " and ", an, " must be 16-byte aligned");
 }
 
@@ -1044,10 +1043,10 @@ at::Tensor moe(const at::Tensor& x_in, const at::Tensor& w13_qweight, const at::
     at::Tensor y = at::empty({T, H}, x_in.options());
     if (T == 0) return y;
     // cp.async moves 16-byte chunks: rows must start 16-byte aligned, else copy x once.
-    const bool aligned = x_in.stride(1) == 1 && reinterpret_cast<uintptr_t>(x_in.data_ptr()) % 16 == 0 &&
-                         (T == 1 || x_in.stride(0) % 8 == 0);
     Call c;
-    c.x = aligned ? x_in : x_in.contiguous().clone(at::MemoryFormat::Contiguous);
+    c.x = x_in.stride(1) == 1 && rows_aligned16(x_in)
+              ? x_in
+              : x_in.contiguous().clone(at::MemoryFormat::Contiguous);
     c.y = y;
     c.ids = topk_ids.contiguous();
     c.tw = topk_weights.contiguous();

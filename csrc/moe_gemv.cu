@@ -93,8 +93,7 @@ void moe_gemv(const at::Tensor& x, at::Tensor& y, const at::Tensor& ids, const a
     p1.n = static_cast<int>(S * 2 * I);
     p1.n_tiles = static_cast<int>(S * s13.n_tiles);
     p1.k_tiles = static_cast<int>(s13.k_tiles);
-    p1.x_vec = reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 &&
-               (T == 1 || x.stride(0) % 8 == 0);
+    p1.x_vec = rows_aligned16(x);
     const Plan plan1 = make_plan(1, T, p1.n_tiles, p1.k_tiles, bits, d.sms, d.smem_max);
     TORCH_CHECK(plan1.splits > 0, "kbit::moe: not enough shared memory for the GEMV path");
     apply_plan(p1, plan1, x, ws1, arrived1);

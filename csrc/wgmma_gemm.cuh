@@ -611,7 +611,7 @@ CUtensorMap x_tensor_map(const at::Tensor& x, int tn) {
     const int64_t M = x.size(0), K = x.size(1);
     // TMA wants 16-B aligned rows; with one row the stride is never used (any multiple of 16).
     const int64_t ld_bytes = M == 1 ? ceil_div(K * 2, 16) * 16 : x.stride(0) * 2;
-    TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && ld_bytes % 16 == 0,
+    TORCH_CHECK(aligned(x, 16) && ld_bytes % 16 == 0,
                 "kbit::mma (KBIT_MMA_WGMMA=2): x rows must be 16-byte aligned");
     const cuuint64_t dims[2] = {static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(M)};
     const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld_bytes)};
@@ -631,7 +631,7 @@ CUtensorMap x_tensor_map(const at::Tensor& x, int tn) {
 // dims[0] = chunk / 8 u64 per tile, dims[1] = k_tiles; strides[i] (bytes) of dims[i + 1].
 static CUtensorMap u64_tile_map(const void* base, int rank, const cuuint64_t* dims,
                                 const cuuint64_t* strides, const cuuint32_t* box, const char* what) {
-    TORCH_CHECK(reinterpret_cast<uintptr_t>(base) % 16 == 0, "kbit (wgmma): ", what,
+    TORCH_CHECK(aligned(base, 16), "kbit (wgmma): ", what,
                 " must be 16-byte aligned");
     const cuuint32_t elem_strides[5] = {1, 1, 1, 1, 1};
     CUtensorMap map;

@@ -69,6 +69,11 @@ def test_strided_x_and_fallbacks(dtype: torch.dtype) -> None:
     wide[:, 32 : 32 + k] = x  # row stride k + 64, data offset 64 B: the GEMV takes it
     _check(x, w, OPS.dense_linear(wide[:, 32 : 32 + k], w))
     _check(x, w, OPS.dense_linear(wide[:, 4 : 4 + k].copy_(x), w))  # 8-byte aligned: cuBLAS
+    odd = torch.zeros(3, k + 9, dtype=dtype, device="cuda")  # row stride k + 9 elements (odd)
+    odd[0, 8 : 8 + k] = x[0]  # one row, 16-byte aligned: the GEMV (it never uses the row stride)
+    _check(x[:1], w, OPS.dense_linear(odd[:1, 8 : 8 + k], w))
+    odd[:, 8 : 8 + k] = x[:3]  # three rows, rows 1 and 2 not 16-byte aligned: cuBLAS
+    _check(x[:3], w, OPS.dense_linear(odd[:, 8 : 8 + k], w))
     _check(x, w, OPS.dense_linear(x, w.t().contiguous().t()))  # column-major weight: cuBLAS
     x12, w12 = _tensors(2, n, 12, dtype)  # K % 8 != 0: cuBLAS
     _check(x12, w12, OPS.dense_linear(x12, w12))

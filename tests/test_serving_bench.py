@@ -904,5 +904,5 @@ def test_bench_e2e_weights_gib_column(tmp_path):
     write_table(res, tmp_path / "t.md")
     text = (tmp_path / "t.md").read_text()
     assert "| method | load s | weights GiB | batch 1 tok/s (x fp16) |" in text
-    assert "| kbit2lm | 50 | 2.61 | 450 (3.00x) |" in text
-    assert "| kbit2 | 50 | ? | 375 (2.50x) |" in text
+    assert "| kbit2lm | 50 | 2.61 | 450 (3.000x) |" in text
+    assert "| kbit2 | 50 | ? | 375 (2.500x) |" in text
