@@ -205,12 +205,13 @@ def linear(x: torch.Tensor, qweight: torch.Tensor, absmax: torch.Tensor, codeboo
     w = dequantize(qweight, absmax, codebook, bits, dtype=x.dtype)
     if x.shape[-1] != w.shape[1]:
         raise ValueError(f"kbit: x has {x.shape[-1]} features, weight expects {w.shape[1]}")
-    return (x.float() @ w.float().t()).to(x.dtype)
+    return dense_linear(x, w)
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """kbit::dense_linear: x[M, K] @ weight^T for an unquantized weight [n, K] (the lm_head that
-    kbit leaves unquantized), fp32 accumulation, in x.dtype."""
+    """kbit::dense_linear: x[..., K] @ weight^T for an unquantized weight [n, K] (the lm_head that
+    kbit leaves unquantized), fp32 accumulation, in x.dtype. The quantized linears are this of
+    their dequantized weight."""
     return (x.float() @ weight.float().t()).to(x.dtype)
 
 
@@ -297,7 +298,7 @@ def linear_tiled(x: torch.Tensor, qt: torch.Tensor, at: torch.Tensor, codebook: 
                  bits: int, n: int) -> torch.Tensor:  # fmt: skip
     """The op the plugin calls: x[..., K] @ W^T with W in the runtime layout."""
     w = dequantize_tiled(qt, at, codebook, bits, n, x.shape[-1], dtype=x.dtype)
-    return (x.float() @ w.float().t()).to(x.dtype)
+    return dense_linear(x, w)
 
 
 # ------------------------------------------------ fused input ops (kbit::linear_*)
