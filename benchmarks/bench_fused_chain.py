@@ -15,6 +15,8 @@ Diagnostic variants (--variants), to price the folded prologues:
                 (no activation: fused - fused_nosilu = the SiLU prologue's cost)
   bare          the four kbit::linear calls only, no norm and no activation (a lower bound:
                 fused_nosilu - bare = the two norm prologues' cost)
+A variant may carry environment settings: `--variant d1:KBIT_GEMV_D1_MAX=8` defines `d1`, and
+`fused+d1` in --variants is `fused` run with KBIT_GEMV_D1_MAX=8 (as bench_e2e.py's --variant).
 Every layer has its own weights (32 layers of Llama-3.1-8B: 2-4 GB, far beyond L2). Timed with
 benchmarks/timing.py (graph replays, CUDA events, median; the variants interleaved).
 
@@ -30,6 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from probe_env import parse_variant  # noqa: E402
 from timing import run_metadata, time_interleaved, with_env, write_results  # noqa: E402
 
 from vllm_kbit import _ops  # noqa: E402
@@ -57,7 +60,8 @@ def _layer_weights(bits: int, cb: torch.Tensor, gen: torch.Generator) -> dict:
     return w
 
 
-def _chain(layers: list[dict], bits: int, cb: torch.Tensor, x: torch.Tensor, variant: str):
+def _chain(layers: list[dict], bits: int, cb: torch.Tensor, x: torch.Tensor, variant: str,
+           extra_env: dict[str, str]):
     K = torch.ops.kbit
     norm = torch.compile(ref.add_rms_norm, fullgraph=True, dynamic=False)
     silu = torch.compile(ref.silu_mul, fullgraph=True, dynamic=False)
@@ -91,8 +95,9 @@ def _chain(layers: list[dict], bits: int, cb: torch.Tensor, x: torch.Tensor, var
                     h = K.linear_silu_mul(gu, *w["down"][:2], cb, bits, H)
         return h
 
-    env = {"KBIT_FUSED_GEMV": "0" if variant == "separate" else "1"}
+    env = {"KBIT_FUSED_GEMV": "0" if variant == "separate" else "1", **extra_env}
     return with_env(env, run)
+
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,13 +107,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--variants", default="inductor,separate,fused",
                     help="comma list; inductor first (the reference of the deviations and ratios)")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME:KBIT_VAR=VAL,...",
+                    help="environment settings NAME stands for in --variants entries BASE+NAME")
     ap.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
     ap.add_argument("--tag", default="")
     args = ap.parse_args(argv)
     variants = tuple(args.variants.split(","))
     known = SAME_FUNCTION + DIAGNOSTIC
-    if variants[0] != "inductor" or not set(variants) <= set(known):
-        ap.error(f"--variants: inductor first, then any of {known[1:]}; got {args.variants!r}")
+    try:
+        env_of = dict(parse_variant(v) for v in args.variant)
+    except ValueError as e:
+        ap.error(str(e))
+    base = {v: v.partition("+")[0] for v in variants}
+    if (variants[0] != "inductor" or not set(base.values()) <= set(known)
+            or any("+" in v and v.partition("+")[2] not in env_of for v in variants)):
+        ap.error(f"--variants: inductor first, then any of {known[1:]}, each optionally +NAME of a "
+                 f"--variant ({sorted(env_of)}); got {args.variants!r}")
     _ops.load()
     meta = run_metadata()
     rows = []
@@ -118,9 +132,10 @@ def main(argv: list[str] | None = None) -> int:
         layers = [_layer_weights(bits, cb, gen) for _ in range(args.layers)]
         for m in (int(v) for v in args.m.split(",")):
             x = (torch.randn(m, H, generator=gen) * 0.5).half().cuda()
-            fns = {v: [_chain(layers, bits, cb, x, v)] for v in variants}
+            fns = {v: [_chain(layers, bits, cb, x, base[v], env_of.get(v.partition("+")[2], {}))]
+                   for v in variants}
             outs = {v: fns[v][0]() for v in variants}
-            same = [v for v in variants if v in SAME_FUNCTION]
+            same = [v for v in variants if base[v] in SAME_FUNCTION]
             dev = max((outs[v].float() - outs["inductor"].float()).abs().max().item() for v in same)
             times = time_interleaved(fns, min_reps=20, max_reps=100, target_s=0.5)
             row = {"bits": bits, "m": m, "layers": args.layers, "max_abs_diff_vs_inductor": dev}
