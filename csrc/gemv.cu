@@ -99,6 +99,7 @@ at::Tensor gemv_fused(const at::Tensor& x, const at::Tensor* residual, at::Tenso
     TORCH_CHECK(gemv_fused_takes(x, residual, norm_weight),
                 "kbit::gemv_fused: the caller must check gemv_fused_takes first");
     XPro xp;
+    xp.kb1 = env_int("KBIT_GEMV_XPRO_KB1", 1) != 0;  // tuning and test hook (gemv.cuh, stage_xpro)
     int64_t K = x.size(1);
     if (residual != nullptr) {
         xp.mode = kXAddNorm;

@@ -161,6 +161,7 @@ struct XPro {
     const void* nw = nullptr;  // norm weight [K]
     int64_t sres = 0;          // row stride of res
     float eps = 0.f;
+    bool kb1 = false;  // stage_xpro's single-job form where it applies (KBIT_GEMV_XPRO_KB1=0: never)
     // kXSiluMul: x = h [M, 2K] (row stride Params::sx), x' = T(T(silu(h[:, :K])) * h[:, K:]).
 };
 
@@ -535,7 +536,8 @@ __device__ __forceinline__ float sum_sq(const uint4& xa, const uint4& ra) {
 // __syncthreads.
 //
 // Jobs: one per token and 8-column chunk (16 bytes of each input), dealt to all threads, each
-// thread's jobs taken kB at a time with all their loads issued first. With a 32-column block per
+// thread's jobs taken kB (4, or 1 where no thread has more than one) at a time with all their
+// loads issued first. With a 32-column block per
 // job an 8B qkv / gate_up CTA at M=1 (128 blocks) ran its norm on a quarter of the threads, 32
 // dependent columns each; with single chunk jobs the 8B down CTA (1792 chunks at M=1) waited for
 // ~4 L2 round trips in a row (benchmarks/results/bench_fused_chain_h100_s37_*.md).
@@ -547,11 +549,10 @@ __device__ __forceinline__ float sum_sq(const uint4& xa, const uint4& ra) {
 // sum and x' (one pass: every CTA reads x, res and nw once, 24 KB at K = 4096, all 132 CTAs at
 // once from the same L2 lines). Otherwise a first pass sums the rows, four tokens per round with
 // their loads issued together, and the batches re-read them.
-template <typename T>
+template <typename T, int kB>
 __device__ __forceinline__ void stage_xpro(uint8_t* xs, const Params& p, const XPro& xp, int k_begin,
                                         int nblk, bool writer, float* s_ss) {
     constexpr bool kBF16 = std::is_same_v<T, __nv_bfloat16>;
-    constexpr int kB = 4;
     const T* x = static_cast<const T*>(p.x);
     const T* res = static_cast<const T*>(xp.res);
     const T* nw = static_cast<const T*>(xp.nw);
@@ -851,7 +852,16 @@ __global__ void __launch_bounds__(kThreads, 1)
             }
         }
     } else if (!kMoe && xp.mode != kXPlain) {
-        stage_xpro<T>(xs_s, p, xp, k_begin, nblk, group == 0, s_ss);
+        // At most one job per thread (8B qkv / gate_up at M=1: 512 jobs): batches of one job, not
+        // four. The kB = 4 form ran its three empty slots (sums, warp sums) and ~4x the unrolled
+        // code, once per CTA from a cold instruction cache; which of the two cost more was not
+        // isolated. H100, 32 8B layers' linears in one CUDA graph, M=1: 42.49 instead of 43.75 us
+        // per layer at k=2, 54.9 instead of 56.2 at k=4 (M=2 unchanged: 1024 jobs);
+        // benchmarks/results/e2e_h100_s43/.
+        if (xp.kb1 && p.M * nblk * 4 <= kThreads)
+            stage_xpro<T, 1>(xs_s, p, xp, k_begin, nblk, group == 0, s_ss);
+        else
+            stage_xpro<T, 4>(xs_s, p, xp, k_begin, nblk, group == 0, s_ss);
     } else {
         if (p.pdl && has_x) xj = load_x<T>(p, k_begin, 0, threadIdx.x);
         if (has_x) store_x(xs_s, p, 0, threadIdx.x, xj);

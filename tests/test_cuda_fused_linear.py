@@ -98,6 +98,19 @@ def test_awkward_shapes(n: int, k: int, bits: int) -> None:
             _silu_case(m, k, n, bits, dtype, seed=m + k)
 
 
+@pytest.mark.parametrize("kb1", ["1", "0"], ids=["single_job", "four_jobs"])
+@pytest.mark.parametrize("bits", [2, 4])
+def test_prologue_job_forms(monkeypatch, kb1: str, bits: int) -> None:
+    """Where no thread has more than one prologue job (M x the CTA's K columns / 8 <= 512) the
+    GEMV stages x one job per batch, else (and with KBIT_GEMV_XPRO_KB1=0) four: both forms."""
+    monkeypatch.setenv("KBIT_GEMV_XPRO_KB1", kb1)
+    for dtype in DTYPES:
+        # 512 jobs at M = 1 and 2; split-K (n = 8: K ranges of a few k-tiles); 36 jobs
+        for m, k, n in ((1, 4096, 6144), (2, 2048, 4096), (1, 4128, 8), (3, 96, 17)):
+            _norm_case(m, k, n, bits, dtype, seed=m + k)
+            _silu_case(m, k, n, bits, dtype, seed=m + k)
+
+
 @pytest.mark.parametrize("m", [1, 4, 12])
 def test_unaligned_rows_take_the_separate_kernel(m: int) -> None:
     # row strides that are not a multiple of 8 elements: not 16-byte aligned rows

@@ -21,6 +21,39 @@ QUICK = "quick" in sys.argv[1:]  # racecheck is slow: fewer cases, every kernel 
 BITS = (3, 5) if QUICK else (2, 3, 4, 5)
 DTYPES = (torch.float16,) if QUICK else (torch.float16, torch.bfloat16)
 MS = (1, 17, 300) if QUICK else (1, 3, 5, 17, 64, 300)
+
+
+def fused_cases() -> None:
+    # kbit::linear_add_rms_norm / linear_silu_mul: the GEMV with the op in its x staging (M <= 8,
+    # single and split-K, the residual written by group 0's CTAs) and the separate kernels (M > 8)
+    # K = 4096 at M = 1: 512 prologue jobs, one per thread (the single-job form)
+    for bits in BITS:
+        cb = default_codebook(bits).to(dev)
+        for n, k in ((17, 4128), (1000, 96), (48, 4096), (4096, 14336)):
+            w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
+            qt, at = K_OPS.repack(*K_OPS.quantize(w, cb, bits), bits)
+            for dtype in DTYPES:
+                nw = torch.rand(k, device=dev, dtype=dtype) + 0.5
+                for m in (1, 8, 17) if k < 14336 else (1, 8):
+                    x, r = torch.randn(m, k, device=dev, dtype=dtype), torch.randn(m, k, device=dev, dtype=dtype)
+                    y, r_out = K_OPS.linear_add_rms_norm(x, r, nw, 1e-5, qt, at, cb, bits, n)
+                    xn, r_ref = ref.add_rms_norm(x, r, nw, 1e-5)
+                    want = K_OPS.linear(xn, qt, at, cb, bits, n).float()
+                    err = ((y.float() - want).norm() / want.norm()).item()
+                    assert torch.equal(r_out, r_ref) and err < 2e-2, f"add_rms_norm {bits} {n} {k} {m}: {err}"
+                    h = torch.randn(m, 2 * k, device=dev, dtype=dtype)
+                    want = K_OPS.linear(ref.silu_mul(h), qt, at, cb, bits, n).float()
+                    err = ((K_OPS.linear_silu_mul(h, qt, at, cb, bits, n).float() - want).norm()
+                           / want.norm()).item()  # fmt: skip
+                    assert err < 2e-2, f"silu_mul {bits} {n} {k} {m}: {err}"
+
+
+# `fused`: only these cases (the fused ops' prologues)
+if "fused" in sys.argv[1:]:
+    fused_cases()
+    print("sanitize cases ok (fused)")
+    sys.exit(0)
+
 for bits in BITS:
     cb = default_codebook(bits).to(dev)
     for n, k in ((17, 4128), (1000, 96), (8, 32)):
@@ -148,27 +181,7 @@ if getattr(_C, "sm90a", 0) == 1 and torch.cuda.get_device_capability() == (9, 0)
                         os.environ.pop(var)
     os.environ.pop("KBIT_MMA_WGMMA")
 
-# kbit::linear_add_rms_norm / linear_silu_mul: the GEMV with the op in its x staging (M <= 8,
-# single and split-K, the residual written by group 0's CTAs) and the separate kernels (M > 8)
-for bits in BITS:
-    cb = default_codebook(bits).to(dev)
-    for n, k in ((17, 4128), (1000, 96), (4096, 14336)):
-        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
-        qt, at = K_OPS.repack(*K_OPS.quantize(w, cb, bits), bits)
-        for dtype in DTYPES:
-            nw = torch.rand(k, device=dev, dtype=dtype) + 0.5
-            for m in (1, 8, 17) if k < 14336 else (1, 8):
-                x, r = torch.randn(m, k, device=dev, dtype=dtype), torch.randn(m, k, device=dev, dtype=dtype)
-                y, r_out = K_OPS.linear_add_rms_norm(x, r, nw, 1e-5, qt, at, cb, bits, n)
-                xn, r_ref = ref.add_rms_norm(x, r, nw, 1e-5)
-                want = K_OPS.linear(xn, qt, at, cb, bits, n).float()
-                err = ((y.float() - want).norm() / want.norm()).item()
-                assert torch.equal(r_out, r_ref) and err < 2e-2, f"add_rms_norm {bits} {n} {k} {m}: {err}"
-                h = torch.randn(m, 2 * k, device=dev, dtype=dtype)
-                want = K_OPS.linear(ref.silu_mul(h), qt, at, cb, bits, n).float()
-                err = ((K_OPS.linear_silu_mul(h, qt, at, cb, bits, n).float() - want).norm()
-                       / want.norm()).item()  # fmt: skip
-                assert err < 2e-2, f"silu_mul {bits} {n} {k} {m}: {err}"
+fused_cases()
 
 # kbit::moe: the GEMV decode path, in-CTA routing and the routing kernels, the wgmma path (sm_90),
 # cluster / workspace split-K, per-slot rows and atomics, an expert map with -1, a partial
