@@ -99,7 +99,6 @@ def _chain(layers: list[dict], bits: int, cb: torch.Tensor, x: torch.Tensor, var
     return with_env(env, run)
 
 
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bits", default="2,4")

@@ -537,10 +537,10 @@ __device__ __forceinline__ float sum_sq(const uint4& xa, const uint4& ra) {
 //
 // Jobs: one per token and 8-column chunk (16 bytes of each input), dealt to all threads, each
 // thread's jobs taken kB (4, or 1 where no thread has more than one) at a time with all their
-// loads issued first. With a 32-column block per
-// job an 8B qkv / gate_up CTA at M=1 (128 blocks) ran its norm on a quarter of the threads, 32
-// dependent columns each; with single chunk jobs the 8B down CTA (1792 chunks at M=1) waited for
-// ~4 L2 round trips in a row (benchmarks/results/bench_fused_chain_h100_s37_*.md).
+// loads issued first. With a 32-column block per job an 8B qkv / gate_up CTA at M=1 (128
+// blocks) ran its norm on a quarter of the threads, 32 dependent columns each; with single chunk
+// jobs the 8B down CTA (1792 chunks at M=1) waited for ~4 L2 round trips in a row
+// (benchmarks/results/bench_fused_chain_h100_s37_*.md).
 //
 // The norm divides by the rms over all of K, whatever K range this CTA multiplies: every CTA
 // sums the whole rows itself (fp32, in no fixed order: not bit-identical to the reference's sum,

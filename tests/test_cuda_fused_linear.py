@@ -105,8 +105,10 @@ def test_prologue_job_forms(monkeypatch, kb1: str, bits: int) -> None:
     GEMV stages x one job per batch, else (and with KBIT_GEMV_XPRO_KB1=0) four: both forms."""
     monkeypatch.setenv("KBIT_GEMV_XPRO_KB1", kb1)
     for dtype in DTYPES:
-        # 512 jobs at M = 1 and 2; split-K (n = 8: K ranges of a few k-tiles); 36 jobs
-        for m, k, n in ((1, 4096, 6144), (2, 2048, 4096), (1, 4128, 8), (3, 96, 17)):
+        # 512 jobs at M = 1 and 2; split-K (7 K ranges of 16 k-tiles: 256 jobs); 48 jobs (a
+        # partial k-tile); 528 jobs (33 k-tiles: four-job batches in both runs)
+        for m, k, n in ((1, 4096, 6144), (2, 2048, 4096), (1, 14336, 16), (3, 96, 17),
+                        (1, 4128, 8)):
             _norm_case(m, k, n, bits, dtype, seed=m + k)
             _silu_case(m, k, n, bits, dtype, seed=m + k)
 
