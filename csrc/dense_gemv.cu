@@ -47,25 +47,13 @@ __device__ __forceinline__ uint4 ld_weight16(const void* p) {
     return v;
 }
 
-// Two packed fp16 / bf16 values -> float2 (bf16: the float's upper 16 bits, two integer ops).
-template <bool BF16>
-__device__ __forceinline__ float2 unpack2f(uint32_t v) {
-    if constexpr (BF16) {
-        return make_float2(__uint_as_float(v << 16), __uint_as_float(v & 0xffff0000u));
-    } else {
-        __half2 h;
-        *reinterpret_cast<uint32_t*>(&h) = v;
-        return __half22float2(h);
-    }
-}
-
 // acc + the dot product of 8 weights and 8 x values, both packed in a uint4.
 template <bool BF16>
 __device__ __forceinline__ float dot8(uint4 w, uint4 x, float acc) {
     const uint32_t wa[4] = {w.x, w.y, w.z, w.w}, xa[4] = {x.x, x.y, x.z, x.w};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        const float2 a = unpack2f<BF16>(wa[i]), b = unpack2f<BF16>(xa[i]);
+        const float2 a = unpack2<BF16>(wa[i]), b = unpack2<BF16>(xa[i]);
         acc = fmaf(a.x, b.x, acc);
         acc = fmaf(a.y, b.y, acc);
     }

@@ -507,22 +507,15 @@ __device__ __forceinline__ void store_x(uint8_t* xs, const Params& p, int m, int
     for (int t = 0; t < 4; ++t) dst[t] = make_uint4(v.w[0][t], v.w[1][t], v.w[2][t], v.w[3][t]);
 }
 
-template <typename T>
-__device__ __forceinline__ float2 unpack2(uint32_t w) {
-    if constexpr (std::is_same_v<T, __nv_bfloat16>)
-        return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w));
-    else
-        return __half22float2(*reinterpret_cast<const __half2*>(&w));
-}
-
 // Sum over 8 columns of (x + res)^2 in fp32 (x, res: 16 bytes of T each).
 template <typename T>
 __device__ __forceinline__ float sum_sq(const uint4& xa, const uint4& ra) {
+    constexpr bool kBF16 = std::is_same_v<T, __nv_bfloat16>;
     const uint32_t xw[4] = {xa.x, xa.y, xa.z, xa.w}, rw[4] = {ra.x, ra.y, ra.z, ra.w};
     float ss = 0.f;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        const float2 u = unpack2<T>(xw[i]), v = unpack2<T>(rw[i]);
+        const float2 u = unpack2<kBF16>(xw[i]), v = unpack2<kBF16>(rw[i]);
         ss = fmaf(u.x + v.x, u.x + v.x, ss);
         ss = fmaf(u.y + v.y, u.y + v.y, ss);
     }
@@ -635,8 +628,8 @@ __device__ __forceinline__ void stage_xpro(uint8_t* xs, const Params& p, const X
                     uint32_t v[4];
 #pragma unroll
                     for (int i = 0; i < 4; ++i) {
-                        const float2 xf = unpack2<T>(bw[i]), rf = unpack2<T>(aw[i]);
-                        const float2 wf = unpack2<T>(ww[i]);
+                        const float2 xf = unpack2<kBF16>(bw[i]), rf = unpack2<kBF16>(aw[i]);
+                        const float2 wf = unpack2<kBF16>(ww[i]);
                         const float s0 = rf.x + xf.x, s1 = rf.y + xf.y;
                         v[i] = pack2<kBF16>(s0, s1);
                         // rounded once more by pack2 below
@@ -652,7 +645,7 @@ __device__ __forceinline__ void stage_xpro(uint8_t* xs, const Params& p, const X
                     // rounding to x.dtype) instead of expf and an IEEE divide.
 #pragma unroll
                     for (int i = 0; i < 4; ++i) {
-                        const float2 u = unpack2<T>(bw[i]), g = unpack2<T>(aw[i]);
+                        const float2 u = unpack2<kBF16>(bw[i]), g = unpack2<kBF16>(aw[i]);
                         o[2 * i] = round_to<kBF16>(__fdividef(g.x, 1.0f + __expf(-g.x))) * u.x;
                         o[2 * i + 1] = round_to<kBF16>(__fdividef(g.y, 1.0f + __expf(-g.y))) * u.y;
                     }
@@ -692,7 +685,7 @@ __device__ __forceinline__ void stage_act(uint8_t* xs, const Params& p, const Mo
             const uint32_t gw[4] = {gv.x, gv.y, gv.z, gv.w}, uw[4] = {uv.x, uv.y, uv.z, uv.w};
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-                const float2 gf = unpack2<T>(gw[i]), uf = unpack2<T>(uw[i]);
+                const float2 gf = unpack2<kBF16>(gw[i]), uf = unpack2<kBF16>(uw[i]);
                 w[q][i] = pack2<kBF16>(act_fn(gf.x, mo.act) * uf.x, act_fn(gf.y, mo.act) * uf.y);
             }
         }

@@ -180,6 +180,19 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
     }
 }
 
+// The inverse: two packed fp16 / bf16 values (low half = first) -> float2 (bf16: the float's
+// upper 16 bits, two integer ops).
+template <bool BF16>
+__device__ __forceinline__ float2 unpack2(uint32_t v) {
+    if constexpr (BF16) {
+        return make_float2(__uint_as_float(v << 16), __uint_as_float(v & 0xffff0000u));
+    } else {
+        __half2 h;
+        *reinterpret_cast<uint32_t*>(&h) = v;
+        return __half22float2(h);
+    }
+}
+
 // Gated MoE activations (vLLM's MoEActivation: act(h[:, :I]) * h[:, I:]), as moe.cu and the
 // MoE GEMV stages (gemv.cuh) compute them: fp32, from h rounded to the activation dtype.
 enum Act : int { kSilu = 0, kGelu = 1, kGeluTanh = 2 };
