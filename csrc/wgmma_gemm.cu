@@ -97,9 +97,29 @@ void run_config(bool bf16, const at::Tensor& x, const at::Tensor& q, const at::T
     else run<BITS, RWG, TN, false>(x, q, a, cb, y, s);
 }
 
+// Does C2w's ring get >= KBIT_WG_C2W_MIN_STAGES (default 3) stages at BITS? A C2w stage holds 256
+// tokens of x (64 KB) and 128 rows of weights; at k=5 (75 KB) only two fit beside the pair table
+// in an H100's 227 KB of shared memory (ring_plan), and with two the producer cannot refill a
+// stage while the consumers still read the other: on the 8B layer at M = 192 / 256, k=5 C2w took
+// 142.7 / 148.8 us on gate_up against C3's 133.9 / 136.8, and 76.4 / 82.0 on down against 65.1 /
+// 69.1 (benchmarks/results/bench_linear_h100__s44_mid.md). k <= 4 gets three stages. (The MoE
+// kernel takes 128 x 224 tiles at k=5 instead, moe_wgmma.cu; the dense kernel has no such
+// instantiation.) KBIT_WG_C2W_MIN_STAGES=2 restores C2w at k=5 (A/B).
+template <int BITS>
+bool c2w_ring_deep(bool bf16, int dev) {
+    constexpr int RWG = wg::config_rwg(wg::kC2w), TN = wg::config_tn(wg::kC2w);
+    const WgConfig c =
+        bf16 ? configure<BITS, RWG, TN, true>(dev) : configure<BITS, RWG, TN, false>(dev);
+    return c.stages >= env_int("KBIT_WG_C2W_MIN_STAGES", 3);
+}
+
 template <int BITS>
 void run_bits(int config, bool bf16, const at::Tensor& x, const at::Tensor& q, const at::Tensor& a,
               const at::Tensor& cb, at::Tensor& y, const TiledShape& s) {
+    // a shallow C2w ring: C3 (256 x 128, three stages at every k), unless C2w was forced
+    if (config == wg::kC2w && env_int("KBIT_WGMMA_CONFIG", 0) == 0 &&
+        !c2w_ring_deep<BITS>(bf16, x.get_device()))
+        config = wg::kC3;
     switch (config) {
         case wg::kC1: run_config<BITS, wg::kC1>(bf16, x, q, a, cb, y, s); break;
         case wg::kC2: run_config<BITS, wg::kC2>(bf16, x, q, a, cb, y, s); break;

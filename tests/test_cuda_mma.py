@@ -112,6 +112,7 @@ def _wgmma_env(monkeypatch, wg: str) -> None:
         "KBIT_MMA_NO_PDL",
         "KBIT_PDL",
         "KBIT_WG_ABUFS",
+        "KBIT_WG_C2W_MIN_STAGES",
     ):
         monkeypatch.delenv(var, raising=False)
 
@@ -728,6 +729,27 @@ def test_ws_c1w_switch(ws, m: int, c1w: str | None, want: str | None) -> None:
         ws.delenv("KBIT_WGMMA_C1W", raising=False)
         ws.setenv("KBIT_WGMMA_CONFIG", want)
         assert torch.equal(_mma(x, qt, at, cb, bits, n), y)
+    _quantized.cache_clear()
+
+
+@wgmma
+@pytest.mark.parametrize("bits,min_stages,want", [(5, None, "3"), (5, "2", "5"), (4, None, "5"),
+                                                  (3, None, "5")])  # fmt: skip
+def test_ws_c2w_needs_a_deep_ring(ws, bits: int, min_stages: str | None, want: str) -> None:
+    # Above 128 tokens (here 160) the planner takes C2w (128 rows x 256 tokens), whose stages fit
+    # shared memory three times at k <= 4 but only twice at k=5: there it runs C3 (256 x 128)
+    # instead, unless KBIT_WG_C2W_MIN_STAGES=2. Same configuration => same kernel and split-K
+    # => bitwise equal outputs.
+    n, k, m = 4096, 4096, 160
+    qt, at, cb, w32 = _quantized(n, k, bits, device="cuda")
+    x = _x(m, k, torch.float16, seed=bits)
+    if min_stages is not None:
+        ws.setenv("KBIT_WG_C2W_MIN_STAGES", min_stages)
+    y = _mma(x, qt, at, cb, bits, n)
+    _check(y, x, w32)
+    ws.delenv("KBIT_WG_C2W_MIN_STAGES", raising=False)
+    ws.setenv("KBIT_WGMMA_CONFIG", want)
+    assert torch.equal(_mma(x, qt, at, cb, bits, n), y)
     _quantized.cache_clear()
 
 
