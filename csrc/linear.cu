@@ -85,11 +85,12 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& qweight, const at::T
     Path path = forced_path();
     if (path == Path::kAuto) {
         // On sm_90 GPUs kbit::mma's warp-specialized kernel wins over dequantize + cuBLAS for
-        // 64 < M <= 256, and up to M = 1024 on big layers, and over mma.sync for 32 < M <= 64
-        // on small layers (mma.cu, wgmma2_by_default); elsewhere the mma.sync kernel by shape.
-        path = use_gemv(m, n, bits)                                ? Path::kGemv
-               : use_mma(m, n, k) || wgmma2_by_default(x, m, n) ? Path::kMma
-                                                              : Path::kDequant;
+        // 64 < M <= 256, and up to M = 1024 on big layers (512 at k=5), and over mma.sync for
+        // 32 < M <= 64 on small layers (mma.cu, wgmma2_by_default); elsewhere the mma.sync kernel
+        // by shape.
+        path = use_gemv(m, n, bits)                                      ? Path::kGemv
+               : use_mma(m, n, k) || wgmma2_by_default(x, m, n, bits) ? Path::kMma
+                                                                    : Path::kDequant;
     }
     switch (path) {
         case Path::kGemv: return gemv(x, qweight, absmax, codebook, bits, n);

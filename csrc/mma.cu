@@ -625,12 +625,16 @@ bool use_wgmma(const at::Tensor& x, int64_t M, int64_t n) {
 // 14.1 and qkv 13.5 vs 15.8; k = 3 / 5 in bench_linear_h100__s20_smallmid_k35.md): mma.sync's
 // 256-row blocks are few there and split K up to 8 ways. On larger layers C1w wins since its
 // weights come as two TMA boxes per stage (session 32), except on the shapes c1w_beats_sync
-// excludes (the measurements are there). KBIT_MMA_WGMMA=0/1/2 overrides.
-bool wgmma2_by_default(const at::Tensor& x, int64_t M, int64_t n) {
+// excludes (the measurements are there). k=5 keeps the big layers only up to M = 512: it runs C3
+// there (256 x 128, wgmma_gemm.cu), dequantizing each weight once per 128 tokens, and at M = 768 /
+// 1024 dequantize + cuBLAS took 0.87 / 0.85x its time on 8B gate_up and 0.83 / 0.88x on down
+// (H100, interleaved, two rounds: benchmarks/results/k5_c3_h100_s44/, bench_linear_h100__s44_large;
+// at M = 512 gate_up level, down 0.88x the dequant path's time). KBIT_MMA_WGMMA=0/1/2 overrides.
+bool wgmma2_by_default(const at::Tensor& x, int64_t M, int64_t n, int64_t bits) {
     const int64_t K = x.size(1), weights = n * K;
     const bool big = weights >= (int64_t{32} << 20);
     if (env_int("KBIT_MMA_WGMMA", -1) != -1 || !sm90a_device(x)) return false;
-    if (M > 64) return M <= 256 || (M <= 1024 && big);
+    if (M > 64) return M <= 256 || (M <= (bits == 5 ? 512 : 1024) && big);
     return M > 32 && (!c1w_by_size(n, K) || c1w_beats_sync(n, K, device_sms(x.get_device())));
 }
 
@@ -651,7 +655,8 @@ at::Tensor mma(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tens
     if (M == 0) return y;
     // cp.async moves 16-byte chunks: rows must start 16-byte aligned, else copy x once.
     const at::Tensor x = rows_aligned16(x_in) ? x_in : x_in.clone(at::MemoryFormat::Contiguous);
-    if (env_int("KBIT_MMA_WGMMA", -1) == 2 || wgmma2_by_default(x, M, n)) {  // warp-specialized kernel
+    // the warp-specialized kernel
+    if (env_int("KBIT_MMA_WGMMA", -1) == 2 || wgmma2_by_default(x, M, n, bits)) {
         wgmma_gemm(x, qweight, absmax, codebook, bits, y);
         return y;
     }

@@ -32,8 +32,8 @@ at::Tensor mma(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor&
 // kernel) writing y[M, n]; the caller has checked the tensors and 16-byte aligned x's rows.
 void wgmma_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& absmax,
                 const at::Tensor& codebook, int64_t bits, at::Tensor& y);
-// mma.cu: does kbit::mma take the warp-specialized kernel by default for this M, n on x's GPU?
-bool wgmma2_by_default(const at::Tensor& x, int64_t M, int64_t n);
+// mma.cu: does kbit::mma take the warp-specialized kernel by default for this M, n, k on x's GPU?
+bool wgmma2_by_default(const at::Tensor& x, int64_t M, int64_t n, int64_t bits);
 // linear.cu: picks gemv / mma / dequantize_tiled + cuBLAS from M (KBIT_FORCE_KERNEL overrides).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& absmax,
                   const at::Tensor& codebook, int64_t bits, int64_t n);

@@ -146,6 +146,17 @@ def test_linear_auto_large_m_is_dequant_path(bits, force):
     assert torch.equal(y_auto, layer.linear(x))
 
 
+@pytest.mark.parametrize("m", [768, 1024])
+def test_linear_auto_k5_big_layer_above_512_is_dequant_path(m, force):
+    # layers of >= 32M weights keep the wgmma kernel up to M = 1024 at k <= 4 on sm_90, but at
+    # k=5 only up to 512 (mma.cu, wgmma2_by_default); other GPUs take dequant from M = 257
+    layer = _layer(8192, 4096, 5)
+    x = _x(m, layer.k, torch.float16, "big", m)
+    y_auto = layer.linear(x)
+    force("dequant")
+    assert torch.equal(y_auto, layer.linear(x))
+
+
 def test_linear_m0(force):
     layer = _layer(1000, 4128, 4)
     for path in (None, "gemv", "mma", "dequant"):
