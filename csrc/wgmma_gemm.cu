@@ -65,11 +65,37 @@ void run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& absma
                                    c.sms, true, stream);
 }
 
+// Stages of C2w's ring at BITS (wg::ring_plan, through the cached per-kernel configure).
+template <int BITS>
+int c2w_stages(bool bf16, int dev) {
+    constexpr int RWG = wg::config_rwg(wg::kC2w), TN = wg::config_tn(wg::kC2w);
+    const WgConfig c =
+        bf16 ? configure<BITS, RWG, TN, true>(dev) : configure<BITS, RWG, TN, false>(dev);
+    return c.stages;
+}
+
+// Does C2w's ring get >= KBIT_WG_C2W_MIN_STAGES (default 3) stages? A C2w stage holds 256 tokens
+// of x (64 KB) and 128 rows of weights; at k=5 (75 KB) only two fit beside the pair table in an
+// H100's 227 KB of shared memory, and with two the producer cannot refill a stage while the
+// consumers still read the other: on the 8B layer at M = 192 / 256, k=5 C2w took 141.3 / 148.8 us
+// on gate_up against C3's 133.9 / 136.8, and 76.4 / 82.0 on down against 65.1 / 69.1
+// (benchmarks/results/k5_c3_h100_s44/). k <= 4 gets three stages. (The MoE kernel takes 128 x 224
+// tiles at k=5 instead, moe_wgmma.cu; the dense kernel has no such instantiation.)
+// KBIT_WG_C2W_MIN_STAGES=2 restores C2w at k=5 (A/B).
+bool c2w_ring_deep(int64_t bits, bool bf16, int dev) {
+    const int stages = bits == 2   ? c2w_stages<2>(bf16, dev)
+                       : bits == 3 ? c2w_stages<3>(bf16, dev)
+                       : bits == 4 ? c2w_stages<4>(bf16, dev)
+                                   : c2w_stages<5>(bf16, dev);
+    return stages >= env_int("KBIT_WG_C2W_MIN_STAGES", 3);
+}
+
 // Tile configuration (wg::pick_config, checked on the CPU): KBIT_WGMMA_CONFIG=1..5 forces
 // C1 = 128 x 64, C2 = 128 x 128, C3 = 256 x 128, C1w = 256 x 64 or C2w = 128 x 256 (tests,
 // tuning); unset = by M and, up to 64 tokens, by layer size (c1w_by_size, kbit_format.cuh;
-// KBIT_WGMMA_C1W=1 / 0 forces C1w / C1 there).
-int choose_config(int64_t M, int64_t n, int64_t K, int64_t k_tiles, int dev) {
+// KBIT_WGMMA_C1W=1 / 0 forces C1w / C1 there), above 128 tokens by C2w's ring depth at this k.
+int choose_config(int64_t M, int64_t n, int64_t K, int64_t k_tiles, int64_t bits, bool bf16,
+                  int dev) {
     const int forced = env_int("KBIT_WGMMA_CONFIG", 0);
     TORCH_CHECK(forced >= 0 && forced <= wg::kNumConfigs,
                 "kbit::mma: KBIT_WGMMA_CONFIG must be 1, 2, 3, 4 or 5, got ", forced);
@@ -77,8 +103,9 @@ int choose_config(int64_t M, int64_t n, int64_t K, int64_t k_tiles, int dev) {
     // C2w's row blocks (2 x its rows per warpgroup) alone fill the GPU
     const bool wide_fill =
         split_ws_priced() && ceil_div(n, 2 * wg::config_rwg(wg::kC2w)) >= device_sms(dev);
+    const bool c2w_deep = forced != 0 || M <= 128 || c2w_ring_deep(bits, bf16, dev);
     return wg::pick_config(M, k_tiles, forced, c1w == -1 ? c1w_by_size(n, K) : c1w == 1,
-                           wide_fill);
+                           wide_fill, c2w_deep);
 }
 
 template <int BITS, int C>
@@ -97,29 +124,9 @@ void run_config(bool bf16, const at::Tensor& x, const at::Tensor& q, const at::T
     else run<BITS, RWG, TN, false>(x, q, a, cb, y, s);
 }
 
-// Does C2w's ring get >= KBIT_WG_C2W_MIN_STAGES (default 3) stages at BITS? A C2w stage holds 256
-// tokens of x (64 KB) and 128 rows of weights; at k=5 (75 KB) only two fit beside the pair table
-// in an H100's 227 KB of shared memory (ring_plan), and with two the producer cannot refill a
-// stage while the consumers still read the other: on the 8B layer at M = 192 / 256, k=5 C2w took
-// 142.7 / 148.8 us on gate_up against C3's 133.9 / 136.8, and 76.4 / 82.0 on down against 65.1 /
-// 69.1 (benchmarks/results/bench_linear_h100__s44_mid.md). k <= 4 gets three stages. (The MoE
-// kernel takes 128 x 224 tiles at k=5 instead, moe_wgmma.cu; the dense kernel has no such
-// instantiation.) KBIT_WG_C2W_MIN_STAGES=2 restores C2w at k=5 (A/B).
-template <int BITS>
-bool c2w_ring_deep(bool bf16, int dev) {
-    constexpr int RWG = wg::config_rwg(wg::kC2w), TN = wg::config_tn(wg::kC2w);
-    const WgConfig c =
-        bf16 ? configure<BITS, RWG, TN, true>(dev) : configure<BITS, RWG, TN, false>(dev);
-    return c.stages >= env_int("KBIT_WG_C2W_MIN_STAGES", 3);
-}
-
 template <int BITS>
 void run_bits(int config, bool bf16, const at::Tensor& x, const at::Tensor& q, const at::Tensor& a,
               const at::Tensor& cb, at::Tensor& y, const TiledShape& s) {
-    // a shallow C2w ring: C3 (256 x 128, three stages at every k), unless C2w was forced
-    if (config == wg::kC2w && env_int("KBIT_WGMMA_CONFIG", 0) == 0 &&
-        !c2w_ring_deep<BITS>(bf16, x.get_device()))
-        config = wg::kC3;
     switch (config) {
         case wg::kC1: run_config<BITS, wg::kC1>(bf16, x, q, a, cb, y, s); break;
         case wg::kC2: run_config<BITS, wg::kC2>(bf16, x, q, a, cb, y, s); break;
@@ -145,8 +152,8 @@ void wgmma_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor
         return;
     }
     const TiledShape s(y.size(1), x.size(1), bits);
-    const int config = choose_config(x.size(0), s.n, s.k, s.k_tiles, x.get_device());
     const bool bf16 = x.scalar_type() == at::kBFloat16;
+    const int config = choose_config(x.size(0), s.n, s.k, s.k_tiles, bits, bf16, x.get_device());
     switch (bits) {
         case 2: run_bits<2>(config, bf16, x, qweight, absmax, codebook, y, s); break;
         case 3: run_bits<3>(config, bf16, x, qweight, absmax, codebook, y, s); break;

@@ -152,14 +152,17 @@ __host__ __device__ constexpr int config_tn(int c) {
 // M = 192 C2w still wins the layer, 300 vs 319 us). Those C2w times had 4 splits of K through
 // the fp32 workspace; with split-K priced (wgmma_gemm.cu) C2w runs 8B gate_up unsplit in 109 us
 // against C2's 159 (probe_env_h100_s34_nosplit.md), so C2 is kept only where C2w's 128-row
-// blocks alone do not fill the GPU (wide_fill false: 8B qkv 36 vs 48 us, 8B o level).
+// blocks alone do not fill the GPU (wide_fill false: 8B qkv 36 vs 48 us, 8B o level). Where
+// C2w's ring would be shallow (c2w_deep false: fewer than 3 stages fit shared memory, k=5 on
+// sm_90; wgmma_gemm.cu, c2w_ring_deep) C3 takes its place.
 __host__ __device__ constexpr int pick_config(long long m, long long k_tiles, int forced, bool c1w,
-                                              bool wide_fill = false) {
+                                              bool wide_fill = false, bool c2w_deep = true) {
     return forced                                          ? forced
            : m <= 64                                       ? (c1w ? kC1w : kC1)
            : m <= 128                                      ? kC3
            : m > 192 && m <= 256 && k_tiles < 64 && !wide_fill ? kC2
-                                                            : kC2w;
+           : c2w_deep                                      ? kC2w
+                                                            : kC3;
 }
 
 // Split-K: CTA y of `splits` takes k-tiles [y * kchunk, y * kchunk + count); the host makes

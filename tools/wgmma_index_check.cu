@@ -164,17 +164,20 @@ static void check_configs() {
     for (const long long k_tiles : {1LL, 32LL, 63LL, 64LL, 224LL})
         for (long long m = 1; m <= 1100; m += (m < 140 ? 1 : 37))
             for (const bool c1w : {false, true})
-            for (const bool wide : {false, true}) {
-                const int c = pick_config(m, k_tiles, 0, c1w, wide);
+            for (const bool wide : {false, true})
+            for (const bool deep : {false, true}) {
+                const int c = pick_config(m, k_tiles, 0, c1w, wide, deep);
                 const int ref = m <= 64                                     ? (c1w ? 4 : 1)
                                 : m <= 128                                    ? 3
                                 : m > 192 && m <= 256 && k_tiles < 64 && !wide ? 2
-                                                                               : 5;
-                CHECK(c == ref, "pick_config(M=%lld, k_tiles=%lld, c1w=%d, wide=%d) = %d, want %d",
-                      m, k_tiles, int(c1w), int(wide), c, ref);
+                                : deep                                         ? 5
+                                                                               : 3;
+                CHECK(c == ref,
+                      "pick_config(M=%lld, k_tiles=%lld, c1w=%d, wide=%d, deep=%d) = %d, want %d",
+                      m, k_tiles, int(c1w), int(wide), int(deep), c, ref);
                 CHECK(config_tn(c) >= (m <= 64 ? 64 : 128) || m > 128, "token tile too narrow");
                 for (int f = 1; f <= kNumConfigs; ++f)
-                    CHECK(pick_config(m, k_tiles, f, c1w, wide) == f, "forced %d", f);
+                    CHECK(pick_config(m, k_tiles, f, c1w, wide, deep) == f, "forced %d", f);
             }
 }
 
